@@ -1,0 +1,43 @@
+// kt.moe: the public op. It is CompositeImplicitAutograd: it calls kt.moe_forward, asking it
+// to save activations only when a gradient will be needed, and returns the output alone.
+// Autograd (kt_ops/_autograd.py) is registered on moe_forward, so eager calls, AOTAutograd
+// and torch.export all see moe_forward + moe_backward.
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <torch/library.h>
+
+namespace kt {
+namespace {
+
+bool requires_grad(const std::optional<at::Tensor>& t) { return t.has_value() && t->requires_grad(); }
+
+at::Tensor moe_composite(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_proj, const at::Tensor& up_proj, const at::Tensor& down_proj,
+    const std::optional<at::Tensor>& gate_lora_a, const std::optional<at::Tensor>& gate_lora_b,
+    const std::optional<at::Tensor>& up_lora_a, const std::optional<at::Tensor>& up_lora_b,
+    const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
+    double lora_scale) {
+  static auto forward = c10::Dispatcher::singleton()
+                            .findSchemaOrThrow("kt::moe_forward", "")
+                            .typed<std::tuple<at::Tensor, at::Tensor>(
+                                const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&, double, bool)>();
+  // Inference (no grad mode, or nothing requires grad) saves nothing.
+  const bool save = at::GradMode::is_enabled() &&
+                    (hidden_states.requires_grad() || topk_weights.requires_grad() || gate_proj.requires_grad() ||
+                     up_proj.requires_grad() || down_proj.requires_grad() || requires_grad(gate_lora_a) ||
+                     requires_grad(gate_lora_b) || requires_grad(up_lora_a) || requires_grad(up_lora_b) ||
+                     requires_grad(down_lora_a) || requires_grad(down_lora_b));
+  return std::get<0>(forward.call(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                                  gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
+                                  lora_scale, save));
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CompositeImplicitAutograd, m) { m.impl("moe", &moe_composite); }
+
+}  // namespace kt

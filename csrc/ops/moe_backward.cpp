@@ -1,0 +1,152 @@
+// CPU kernel of kt.moe_backward (math in ../shared/DESIGN.md §1).
+//
+// Per expert, with dy the rows of grad_output routed to it, w their routing weights and
+// g, u the pre-activations saved by forward:
+//   dh'  = dy·Wd + s·(dy·Bd)·Ad          (gradient of h without the routing weight)
+//   dw   = ⟨dh', h⟩                       (= ⟨dy, o⟩, without recomputing o)
+//   dh   = w·dh'
+//   dg   = dh ⊙ u ⊙ σ(g)(1 + g(1 − σ(g))),  du = dh ⊙ silu(g)
+//   dx   = dg·Wg + du·Wu + LoRA terms     (summed over the token's slots afterwards)
+//   dWg = dgᵀ·x, dWu = duᵀ·x, dWd = (w·dy)ᵀ·h;  LoRA: dB = s·d_outᵀ·(in·Aᵀ), dA = s·(d_out·B)ᵀ·in
+// Each expert is one unit of work (its weight gradients are sums over its rows), so no two
+// threads write the same gradient. Unrequested gradients are neither computed nor allocated.
+#include <torch/library.h>
+
+#include "ops/moe_common.h"
+
+namespace kt {
+namespace {
+
+// Positions in output_mask and in the returned tuple.
+enum Grad : int {
+  kHidden, kWeights, kGate, kUp, kDown, kGateA, kGateB, kUpA, kUpB, kDownA, kDownB, kNumGrads
+};
+
+// Gradients of one LoRA-adapted projection out = in·Wᵀ + s·(in·Aᵀ)·Bᵀ of expert e, given its
+// upstream gradient d_out [n, out] and its input in [n, in].
+void lora_weight_grads(const at::Tensor& d_out, const at::Tensor& in, const std::optional<at::Tensor>& a,
+                       const std::optional<at::Tensor>& b, double s, int64_t e, bool need_w, bool need_a,
+                       bool need_b, at::Tensor& grad_w, at::Tensor& grad_a, at::Tensor& grad_b) {
+  if (need_w) grad_w[e].copy_(at::mm(d_out.t(), in));
+  if (need_b) grad_b[e].copy_(at::mm(d_out.t(), at::mm(in, (*a)[e].t())).mul_(s));
+  if (need_a) grad_a[e].copy_(at::mm(at::mm(d_out, (*b)[e]).t(), in).mul_(s));
+}
+
+// d_in = d_out·W + s·(d_out·B)·A for expert e.
+at::Tensor lora_input_grad(const at::Tensor& d_out, const at::Tensor& w, const std::optional<at::Tensor>& a,
+                           const std::optional<at::Tensor>& b, double s, int64_t e) {
+  at::Tensor d_in = at::mm(d_out, w[e]);
+  if (a.has_value()) d_in.addmm_(at::mm(d_out, (*b)[e]), (*a)[e], /*beta=*/1.0, /*alpha=*/s);
+  return d_in;
+}
+
+at::Tensor empty_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
+
+std::vector<at::Tensor> moe_backward_cpu(
+    const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+    const at::Tensor& topk_weights, const at::Tensor& activations, const at::Tensor& gate_proj,
+    const at::Tensor& up_proj, const at::Tensor& down_proj, const std::optional<at::Tensor>& gate_lora_a,
+    const std::optional<at::Tensor>& gate_lora_b, const std::optional<at::Tensor>& up_lora_a,
+    const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
+    const std::optional<at::Tensor>& down_lora_b, double lora_scale, std::array<bool, 11> output_mask) {
+  const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
+  const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
+                                          down_proj, lora, lora_scale);
+  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
+                                          down_proj, lora, lora_scale);
+  const at::Tensor dy_all = grad_output.detach().reshape({-1, in.x.size(1)}).contiguous();
+  const at::Tensor act = activations.detach().contiguous();
+  const auto acc = accumulate_type(in.x.scalar_type());
+  const auto ct = in.x.scalar_type();
+  const double s = in.scale;
+
+  auto need = [&](Grad g) { return output_mask[g]; };
+  const bool need_gate_side = need(kGate) || need(kGateA) || need(kGateB);
+  const bool need_up_side = need(kUp) || need(kUpA) || need(kUpB);
+  const bool need_dgu = need(kHidden) || need_gate_side || need_up_side;
+  const bool need_scaled_dy = need(kDown) || need(kDownA) || need(kDownB);
+  const bool need_x = need_gate_side || need_up_side;
+
+  const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
+  const int64_t N = routing.num_pairs();
+  const int64_t H = in.x.size(1);
+
+  // Gradients of the expert weights; experts that got no rows keep zeros.
+  std::array<at::Tensor, kNumGrads> grads;
+  const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate, &in.up, &in.down,
+                                           lora.has_gate() ? &*in.lora.gate_a : nullptr,
+                                           lora.has_gate() ? &*in.lora.gate_b : nullptr,
+                                           lora.has_up() ? &*in.lora.up_a : nullptr,
+                                           lora.has_up() ? &*in.lora.up_b : nullptr,
+                                           lora.has_down() ? &*in.lora.down_a : nullptr,
+                                           lora.has_down() ? &*in.lora.down_b : nullptr};
+  for (int g = kGate; g < kNumGrads; ++g) {
+    grads[g] = need(Grad(g)) ? at::zeros_like(*weight_of[g]) : empty_grad(in.x);
+  }
+  at::Tensor dx_rows = need(kHidden) ? at::empty({N, H}, in.x.options().dtype(acc)) : at::Tensor();
+  at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
+
+  for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
+    const int64_t e = blk.expert, n = blk.end - blk.begin;
+    const at::Tensor tokens = routing.sorted_tokens.narrow(0, blk.begin, n);
+    const at::Tensor w = in.weights.view(-1).index_select(0, routing.sorted_pairs.narrow(0, blk.begin, n))
+                             .unsqueeze(1);  // [n, 1], accumulation dtype
+    const at::Tensor dy = dy_all.index_select(0, tokens);
+    const at::Tensor g = act[0].narrow(0, blk.begin, n).to(acc);
+    const at::Tensor u = act[1].narrow(0, blk.begin, n).to(acc);
+    const at::Tensor sig = at::sigmoid(g);
+    const at::Tensor silu_g = g * sig;
+    const at::Tensor h_acc = silu_g * u;
+    const at::Tensor h = h_acc.to(ct);
+
+    const at::Tensor dh_unweighted =
+        lora_input_grad(dy, in.down, in.lora.down_a, in.lora.down_b, s, e).to(acc);
+    if (need(kWeights)) dw_rows.narrow(0, blk.begin, n).copy_((dh_unweighted * h_acc).sum(1));
+    if (need_scaled_dy) {
+      const at::Tensor dy_w = (dy.to(acc) * w).to(ct);
+      lora_weight_grads(dy_w, h, in.lora.down_a, in.lora.down_b, s, e, need(kDown), need(kDownA),
+                        need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]);
+    }
+    if (!need_dgu) return;
+    const at::Tensor dh = dh_unweighted * w;
+    const at::Tensor dg = (dh * u * sig * (1 + g * (1 - sig))).to(ct);
+    const at::Tensor du = (dh * silu_g).to(ct);
+    if (need(kHidden)) {
+      at::Tensor dx = lora_input_grad(dg, in.gate, in.lora.gate_a, in.lora.gate_b, s, e).to(acc);
+      dx.add_(lora_input_grad(du, in.up, in.lora.up_a, in.lora.up_b, s, e));
+      dx_rows.narrow(0, blk.begin, n).copy_(dx);
+    }
+    if (need_x) {
+      const at::Tensor x = in.x.index_select(0, tokens);
+      lora_weight_grads(dg, x, in.lora.gate_a, in.lora.gate_b, s, e, need(kGate), need(kGateA),
+                        need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]);
+      lora_weight_grads(du, x, in.lora.up_a, in.lora.up_b, s, e, need(kUp), need(kUpA), need(kUpB),
+                        grads[kUp], grads[kUpA], grads[kUpB]);
+    }
+  });
+
+  if (need(kHidden)) {
+    at::Tensor dx = at::empty({in.x.size(0), H}, in.x.options());
+    combine_rows(dx_rows, routing.row_of_pair, std::nullopt, dx);
+    grads[kHidden] = dx.view(hidden_states.sizes());
+  } else {
+    grads[kHidden] = empty_grad(in.x);
+  }
+  if (need(kWeights)) {
+    // Back from sorted rows to (token, slot) order, in the dtype of topk_weights.
+    grads[kWeights] = dw_rows.index_select(0, routing.row_of_pair)
+                          .to(topk_weights.scalar_type())
+                          .view(topk_weights.sizes());
+  } else {
+    grads[kWeights] = empty_grad(topk_weights);
+  }
+  return std::vector<at::Tensor>(grads.begin(), grads.end());
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("moe_backward", &moe_backward_cpu); }
+
+}  // namespace kt

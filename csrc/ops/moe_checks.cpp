@@ -1,0 +1,140 @@
+#include "ops/moe_checks.h"
+
+#include <cmath>
+
+namespace kt {
+namespace {
+
+bool is_supported_float(at::ScalarType t) {
+  return t == at::kFloat || t == at::kBFloat16 || t == at::kDouble;
+}
+
+// Checks one base weight: 3-d, [E, out, in], same dtype/device as hidden_states.
+void check_weight(const char* name, const at::Tensor& w, const at::Tensor& hidden_states,
+                  const c10::SymInt& experts, const c10::SymInt& out, const c10::SymInt& in,
+                  const char* expected) {
+  TORCH_CHECK_VALUE(w.dim() == 3, "kt.moe: ", name, " must be 3-d ", expected, ", got shape ",
+                    w.sym_sizes());
+  TORCH_CHECK_TYPE(w.scalar_type() == hidden_states.scalar_type(), "kt.moe: ", name,
+                   " must have the dtype of hidden_states (", hidden_states.scalar_type(), "), got ",
+                   w.scalar_type());
+  TORCH_CHECK(w.device() == hidden_states.device(), "kt.moe: ", name,
+              " must be on the device of hidden_states (", hidden_states.device(), "), got ",
+              w.device());
+  TORCH_CHECK_VALUE(w.sym_size(0) == experts && w.sym_size(1) == out && w.sym_size(2) == in,
+                    "kt.moe: ", name, " must have shape ", expected, " = [", experts, ", ", out,
+                    ", ", in, "], got ", w.sym_sizes());
+}
+
+// Checks one LoRA pair (A [E, r, in], B [E, out, r]); sets `rank` from the first pair seen.
+void check_lora_pair(const char* proj, const std::optional<at::Tensor>& a,
+                     const std::optional<at::Tensor>& b, const at::Tensor& hidden_states,
+                     const c10::SymInt& experts, const c10::SymInt& out, const c10::SymInt& in,
+                     std::optional<c10::SymInt>& rank) {
+  TORCH_CHECK_VALUE(a.has_value() == b.has_value(), "kt.moe: ", proj, "_lora_a and ", proj,
+                    "_lora_b must be given together, got only ", proj,
+                    a.has_value() ? "_lora_a" : "_lora_b");
+  if (!a.has_value()) return;
+  const std::string a_name = std::string(proj) + "_lora_a";
+  const std::string b_name = std::string(proj) + "_lora_b";
+  TORCH_CHECK_VALUE(a->dim() == 3, "kt.moe: ", a_name, " must be 3-d [E, r, in], got shape ",
+                    a->sym_sizes());
+  TORCH_CHECK_VALUE(b->dim() == 3, "kt.moe: ", b_name, " must be 3-d [E, out, r], got shape ",
+                    b->sym_sizes());
+  if (!rank.has_value()) rank = a->sym_size(1);
+  check_weight(a_name.c_str(), *a, hidden_states, experts, *rank, in, "[E, r, in]");
+  check_weight(b_name.c_str(), *b, hidden_states, experts, out, *rank, "[E, out, r]");
+}
+
+}  // namespace
+
+MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                          const at::Tensor& topk_weights, const at::Tensor& gate_proj,
+                          const at::Tensor& up_proj, const at::Tensor& down_proj,
+                          const LoraTensors& lora, double lora_scale) {
+  TORCH_CHECK_VALUE(hidden_states.dim() >= 1, "kt.moe: hidden_states must be [..., H] with at least 1 dim, got a ",
+                    hidden_states.dim(), "-d tensor");
+  TORCH_CHECK_TYPE(is_supported_float(hidden_states.scalar_type()),
+                   "kt.moe: hidden_states must be float32, bfloat16 or float64, got ",
+                   hidden_states.scalar_type());
+  TORCH_CHECK_TYPE(topk_ids.scalar_type() == at::kInt || topk_ids.scalar_type() == at::kLong,
+                   "kt.moe: topk_ids must be int32 or int64, got ", topk_ids.scalar_type());
+  TORCH_CHECK_TYPE(is_supported_float(topk_weights.scalar_type()),
+                   "kt.moe: topk_weights must be float32, bfloat16 or float64, got ",
+                   topk_weights.scalar_type());
+  TORCH_CHECK(topk_ids.device() == hidden_states.device(),
+              "kt.moe: topk_ids must be on the device of hidden_states (", hidden_states.device(),
+              "), got ", topk_ids.device());
+  TORCH_CHECK(topk_weights.device() == hidden_states.device(),
+              "kt.moe: topk_weights must be on the device of hidden_states (", hidden_states.device(),
+              "), got ", topk_weights.device());
+
+  const int64_t lead_dims = hidden_states.dim() - 1;
+  TORCH_CHECK_VALUE(topk_ids.dim() == hidden_states.dim(),
+                    "kt.moe: topk_ids must be [..., K] with the leading dims of hidden_states ",
+                    hidden_states.sym_sizes(), ", got shape ", topk_ids.sym_sizes());
+  c10::SymInt tokens = 1;
+  for (int64_t d = 0; d < lead_dims; ++d) {
+    TORCH_CHECK_VALUE(topk_ids.sym_size(d) == hidden_states.sym_size(d),
+                      "kt.moe: topk_ids must be [..., K] with the leading dims of hidden_states ",
+                      hidden_states.sym_sizes(), ", got shape ", topk_ids.sym_sizes());
+    tokens = tokens * hidden_states.sym_size(d);
+  }
+  TORCH_CHECK_VALUE(topk_weights.sym_sizes() == topk_ids.sym_sizes(),
+                    "kt.moe: topk_weights must have the shape of topk_ids ", topk_ids.sym_sizes(),
+                    ", got ", topk_weights.sym_sizes());
+
+  MoeSizes sizes{tokens, hidden_states.sym_size(-1), topk_ids.sym_size(-1), 0, 0};
+  TORCH_CHECK_VALUE(gate_proj.dim() == 3, "kt.moe: gate_proj must be 3-d [E, I, H], got shape ",
+                    gate_proj.sym_sizes());
+  sizes.experts = gate_proj.sym_size(0);
+  sizes.intermediate = gate_proj.sym_size(1);
+  const auto& E = sizes.experts;
+  const auto& I = sizes.intermediate;
+  const auto& H = sizes.hidden;
+  check_weight("gate_proj", gate_proj, hidden_states, E, I, H, "[E, I, H]");
+  check_weight("up_proj", up_proj, hidden_states, E, I, H, "[E, I, H]");
+  check_weight("down_proj", down_proj, hidden_states, E, H, I, "[E, H, I]");
+
+  std::optional<c10::SymInt> rank;
+  check_lora_pair("gate", lora.gate_a, lora.gate_b, hidden_states, E, I, H, rank);
+  check_lora_pair("up", lora.up_a, lora.up_b, hidden_states, E, I, H, rank);
+  check_lora_pair("down", lora.down_a, lora.down_b, hidden_states, E, H, I, rank);
+  TORCH_CHECK_VALUE(std::isfinite(lora_scale), "kt.moe: lora_scale must be finite, got ", lora_scale);
+  return sizes;
+}
+
+void check_moe_backward_inputs(const MoeSizes& sizes, const at::Tensor& grad_output,
+                               const at::Tensor& hidden_states, const at::Tensor& activations,
+                               const LoraTensors& lora, c10::ArrayRef<bool> output_mask) {
+  TORCH_CHECK_VALUE(output_mask.size() == 11, "kt.moe_backward: output_mask must have 11 entries, got ",
+                    output_mask.size());
+  // Entries 5..10 are the LoRA tensors: their gradients exist only where the adapter does.
+  const bool has_lora[6] = {lora.has_gate(), lora.has_gate(), lora.has_up(),
+                            lora.has_up(),   lora.has_down(), lora.has_down()};
+  for (int i = 0; i < 6; ++i) {
+    TORCH_CHECK_VALUE(!output_mask[5 + i] || has_lora[i], "kt.moe_backward: output_mask[", 5 + i,
+                      "] asks for the gradient of a LoRA tensor that was not given");
+  }
+  TORCH_CHECK_VALUE(grad_output.sym_sizes() == hidden_states.sym_sizes(),
+                    "kt.moe_backward: grad_output must have the shape of hidden_states ",
+                    hidden_states.sym_sizes(), ", got ", grad_output.sym_sizes());
+  TORCH_CHECK_TYPE(grad_output.scalar_type() == hidden_states.scalar_type(),
+                   "kt.moe_backward: grad_output must have the dtype of hidden_states (",
+                   hidden_states.scalar_type(), "), got ", grad_output.scalar_type());
+  TORCH_CHECK(grad_output.device() == hidden_states.device(),
+              "kt.moe_backward: grad_output must be on the device of hidden_states");
+  const auto expected = activation_shape(sizes, /*saved=*/true);
+  TORCH_CHECK_VALUE(activations.sym_sizes() == c10::SymIntArrayRef(expected),
+                    "kt.moe_backward: activations must have shape [2, T*K, I] = ", expected,
+                    " as saved by kt.moe_forward(..., save_activations=True), got ",
+                    activations.sym_sizes());
+  TORCH_CHECK_TYPE(activations.scalar_type() == hidden_states.scalar_type(),
+                   "kt.moe_backward: activations must have the dtype of hidden_states");
+}
+
+std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved) {
+  return {2, saved ? sizes.tokens * sizes.top_k : c10::SymInt(0), sizes.intermediate};
+}
+
+}  // namespace kt

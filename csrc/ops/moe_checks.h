@@ -1,0 +1,56 @@
+// Argument validation shared by the CPU and Meta kernels of kt.moe, so that eager calls,
+// fake tensors and torch.compile all reject bad input with the same message.
+// Shapes are read as SymInts: the Meta kernels run with symbolic sizes under torch.compile.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Optional.h>
+
+#include <array>
+
+namespace kt {
+
+// The six optional LoRA tensors, in schema order.
+struct LoraTensors {
+  std::optional<at::Tensor> gate_a, gate_b, up_a, up_b, down_a, down_b;
+
+  bool has_gate() const { return gate_a.has_value(); }
+  bool has_up() const { return up_a.has_value(); }
+  bool has_down() const { return down_a.has_value(); }
+};
+
+// Sizes of one kt.moe call, as SymInts.
+struct MoeSizes {
+  c10::SymInt tokens;        // T: product of the leading dims of hidden_states
+  c10::SymInt hidden;        // H
+  c10::SymInt top_k;         // K
+  c10::SymInt experts;       // E
+  c10::SymInt intermediate;  // I
+};
+
+// Checks every argument of kt.moe / kt.moe_forward and returns the sizes.
+// Throws ValueError (shapes, values), TypeError (dtypes) or RuntimeError (devices), each
+// naming the argument and what was expected.
+MoeSizes check_moe_inputs(
+    const at::Tensor& hidden_states,
+    const at::Tensor& topk_ids,
+    const at::Tensor& topk_weights,
+    const at::Tensor& gate_proj,
+    const at::Tensor& up_proj,
+    const at::Tensor& down_proj,
+    const LoraTensors& lora,
+    double lora_scale);
+
+// Checks the extra arguments of kt.moe_backward (grad_output, activations, output_mask).
+void check_moe_backward_inputs(
+    const MoeSizes& sizes,
+    const at::Tensor& grad_output,
+    const at::Tensor& hidden_states,
+    const at::Tensor& activations,
+    const LoraTensors& lora,
+    c10::ArrayRef<bool> output_mask);
+
+// Shape of the saved activations: [2, T*K, I], or [2, 0, I] when nothing is saved.
+std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved);
+
+}  // namespace kt

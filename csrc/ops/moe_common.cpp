@@ -1,0 +1,70 @@
+#include "ops/moe_common.h"
+
+#include <ATen/Dispatch.h>
+#include <ATen/Parallel.h>
+
+namespace kt {
+namespace {
+
+at::Tensor plain(const at::Tensor& t) { return t.detach().contiguous(); }
+
+std::optional<at::Tensor> plain(const std::optional<at::Tensor>& t) {
+  return t.has_value() ? std::optional<at::Tensor>(plain(*t)) : std::nullopt;
+}
+
+}  // namespace
+
+MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const at::Tensor& gate_proj,
+                             const at::Tensor& up_proj, const at::Tensor& down_proj,
+                             const LoraTensors& lora, double lora_scale) {
+  const int64_t H = hidden_states.size(-1);
+  const int64_t K = topk_ids.size(-1);
+  MoeInputs in;
+  in.x = plain(hidden_states).reshape({-1, H});
+  in.ids = plain(topk_ids).reshape({-1, K});
+  in.weights = plain(topk_weights).reshape({-1, K}).to(accumulate_type(hidden_states.scalar_type()));
+  in.gate = plain(gate_proj);
+  in.up = plain(up_proj);
+  in.down = plain(down_proj);
+  in.lora = {plain(lora.gate_a), plain(lora.gate_b), plain(lora.up_a),
+             plain(lora.up_b),   plain(lora.down_a), plain(lora.down_b)};
+  in.scale = lora_scale;
+  return in;
+}
+
+void combine_rows(const at::Tensor& rows, const at::Tensor& row_of_pair,
+                  const std::optional<at::Tensor>& scale, at::Tensor& out) {
+  const int64_t T = out.size(0), H = out.size(1);
+  const int64_t K = T == 0 ? 0 : row_of_pair.numel() / T;
+  const int64_t* row_of = row_of_pair.const_data_ptr<int64_t>();
+  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "kt_combine_rows", [&] {
+    using acc_t = scalar_t;
+    const acc_t* src = rows.const_data_ptr<acc_t>();
+    const acc_t* w = scale.has_value() ? scale->const_data_ptr<acc_t>() : nullptr;
+    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "kt_combine_rows_out", [&] {
+      scalar_t* dst = out.data_ptr<scalar_t>();
+      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+        std::vector<acc_t> acc(H);
+        for (int64_t t = t0; t < t1; ++t) {
+          std::fill(acc.begin(), acc.end(), acc_t(0));
+          for (int64_t j = 0; j < K; ++j) {
+            const acc_t* r = src + row_of[t * K + j] * H;
+            const acc_t s = w ? w[t * K + j] : acc_t(1);
+            for (int64_t h = 0; h < H; ++h) acc[h] += s * r[h];
+          }
+          for (int64_t h = 0; h < H; ++h) dst[t * H + h] = static_cast<scalar_t>(acc[h]);
+        }
+      });
+    });
+  });
+}
+
+at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
+                       const std::optional<at::Tensor>& b, double scale) {
+  at::Tensor out = at::mm(in, w.t());
+  if (a.has_value()) out.addmm_(at::mm(in, a->t()), b->t(), /*beta=*/1.0, /*alpha=*/scale);
+  return out;
+}
+
+}  // namespace kt

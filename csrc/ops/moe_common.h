@@ -1,0 +1,46 @@
+// Small pieces shared by the forward and backward CPU kernels of kt.moe.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "ops/moe_checks.h"
+#include "ops/routing.h"
+
+namespace kt {
+
+// Accumulation dtype: float64 for float64 inputs, float32 otherwise (bf16 computes in fp32).
+inline at::ScalarType accumulate_type(at::ScalarType t) {
+  return t == at::kDouble ? at::kDouble : at::kFloat;
+}
+
+// The inputs of one call, flattened to 2-d, contiguous, detached from autograd.
+struct MoeInputs {
+  at::Tensor x;        // [T, H]
+  at::Tensor ids;      // [T, K]
+  at::Tensor weights;  // [T, K] in the accumulation dtype
+  at::Tensor gate, up, down;
+  LoraTensors lora;
+  double scale;
+};
+
+MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+                             const at::Tensor& topk_weights, const at::Tensor& gate_proj,
+                             const at::Tensor& up_proj, const at::Tensor& down_proj,
+                             const LoraTensors& lora, double lora_scale);
+
+// out[t] = sum_j scale[t, j] * rows[row_of_pair[t*K + j]]   (scale == nullopt: plain sum)
+// rows: [N, H] in the accumulation dtype; out: [T, H]. Summed in slot order j = 0..K-1 so
+// that the result does not depend on the thread count.
+void combine_rows(const at::Tensor& rows, const at::Tensor& row_of_pair,
+                  const std::optional<at::Tensor>& scale, at::Tensor& out);
+
+// x[E, ...] -> x[e]; nullopt stays nullopt.
+inline std::optional<at::Tensor> expert_slice(const std::optional<at::Tensor>& t, int64_t e) {
+  return t.has_value() ? std::optional<at::Tensor>(t->select(0, e)) : std::nullopt;
+}
+
+// out = in·Wᵀ + s·(in·Aᵀ)·Bᵀ for one expert (W [out, in], A [r, in], B [out, r]).
+at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
+                       const std::optional<at::Tensor>& b, double scale);
+
+}  // namespace kt

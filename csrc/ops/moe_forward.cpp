@@ -1,0 +1,72 @@
+// CPU kernel of kt.moe_forward.
+//
+// Per expert block (rows of the tokens routed to one expert, see routing.h):
+//   g = x·Wgᵀ + s·(x·Agᵀ)·Bgᵀ,  u = x·Wuᵀ + s·(x·Auᵀ)·Buᵀ,  h = silu(g)·u,
+//   o = h·Wdᵀ + s·(h·Adᵀ)·Bdᵀ
+// and then y[t] = Σ_j w[t, j]·o[t, j] in fixed slot order. GEMMs are ATen's (oneDNN/MKL),
+// one thread each, blocks spread over torch's intra-op threads.
+#include <torch/library.h>
+
+#include "ops/moe_common.h"
+
+namespace kt {
+namespace {
+
+// Rows per block in forward: big enough for efficient GEMMs, small enough to spread an
+// expert that receives many tokens over several threads.
+constexpr int64_t kForwardBlockRows = 256;
+
+// silu(g)·u computed in the accumulation dtype, returned in the dtype of g.
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
+  const auto acc = accumulate_type(g.scalar_type());
+  return at::silu(g.to(acc)).mul_(u.to(acc)).to(g.scalar_type());
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_proj, const at::Tensor& up_proj, const at::Tensor& down_proj,
+    const std::optional<at::Tensor>& gate_lora_a, const std::optional<at::Tensor>& gate_lora_b,
+    const std::optional<at::Tensor>& up_lora_a, const std::optional<at::Tensor>& up_lora_b,
+    const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
+    double lora_scale, bool save_activations) {
+  const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
+  const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
+                                          down_proj, lora, lora_scale);
+  at::AutoDispatchBelowADInplaceOrView below_autograd;
+  const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
+                                          down_proj, lora, lora_scale);
+  const int64_t H = in.x.size(1);
+  const int64_t I = in.gate.size(1);
+  const auto acc = accumulate_type(in.x.scalar_type());
+  const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
+  const int64_t N = routing.num_pairs();
+
+  at::Tensor activations = at::empty({2, save_activations ? N : 0, I}, in.x.options());
+  at::Tensor expert_out = at::empty({N, H}, in.x.options().dtype(acc));  // o, sorted rows
+
+  for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
+    const int64_t e = blk.expert, n = blk.end - blk.begin;
+    const at::Tensor x_e = in.x.index_select(0, routing.sorted_tokens.narrow(0, blk.begin, n));
+    const at::Tensor g = lora_linear(x_e, in.gate[e], expert_slice(in.lora.gate_a, e),
+                                     expert_slice(in.lora.gate_b, e), in.scale);
+    const at::Tensor u = lora_linear(x_e, in.up[e], expert_slice(in.lora.up_a, e),
+                                     expert_slice(in.lora.up_b, e), in.scale);
+    if (save_activations) {
+      activations[0].narrow(0, blk.begin, n).copy_(g);
+      activations[1].narrow(0, blk.begin, n).copy_(u);
+    }
+    const at::Tensor o = lora_linear(swiglu(g, u), in.down[e], expert_slice(in.lora.down_a, e),
+                                     expert_slice(in.lora.down_b, e), in.scale);
+    expert_out.narrow(0, blk.begin, n).copy_(o);
+  });
+
+  at::Tensor out = at::empty({in.x.size(0), H}, in.x.options());
+  combine_rows(expert_out, routing.row_of_pair, in.weights, out);
+  return {out.view(hidden_states.sizes()), activations};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("moe_forward", &moe_forward_cpu); }
+
+}  // namespace kt

@@ -1,0 +1,46 @@
+// Schemas of every op in the `kt` namespace, in one place.
+//
+// Kernels live elsewhere: CPU in csrc/ops/*.cpp, Meta (shape-only, SymInt-aware) in
+// meta_kernels/*.cpp, autograd in kt_ops/_autograd.py (torch.library.register_autograd).
+#include <Python.h>
+#include <torch/library.h>
+
+// An empty Python module, so that `import kt_ops._C` loads this library and runs the
+// static registrations below (the pattern of pytorch/extension-cpp).
+extern "C" {
+PyObject* PyInit__C(void) {
+  static struct PyModuleDef module_def = {
+      PyModuleDef_HEAD_INIT, "_C", "kt_ops native ops (registered with torch.library)", -1, nullptr};
+  return PyModule_Create(&module_def);
+}
+}
+
+#define KT_MOE_ARGS                                                                       \
+  "Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "                          \
+  "Tensor gate_proj, Tensor up_proj, Tensor down_proj, "                                   \
+  "Tensor? gate_lora_a=None, Tensor? gate_lora_b=None, "                                   \
+  "Tensor? up_lora_a=None, Tensor? up_lora_b=None, "                                       \
+  "Tensor? down_lora_a=None, Tensor? down_lora_b=None, float lora_scale=1.0"
+
+TORCH_LIBRARY(kt, m) {
+  // The public, differentiable op. CompositeImplicitAutograd: it calls moe_forward and
+  // returns only the output; autograd lives on moe_forward.
+  m.def("moe(" KT_MOE_ARGS ") -> Tensor", {at::Tag::pt2_compliant_tag});
+
+  // Forward that also returns what backward needs: the gate and up pre-activations
+  // [2, T*K, I] in expert-sorted order (or [2, 0, I] when save_activations is false).
+  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False) -> (Tensor output, Tensor activations)",
+        {at::Tag::pt2_compliant_tag});
+
+  // Gradients of moe_forward. output_mask has 11 entries, in the order
+  // hidden_states, topk_weights, gate_proj, up_proj, down_proj, gate_lora_a, gate_lora_b,
+  // up_lora_a, up_lora_b, down_lora_a, down_lora_b; an unrequested gradient is not
+  // computed and comes back as an empty tensor of shape [0]. Returns the 11 gradients in
+  // the order of output_mask.
+  m.def(
+      "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
+      "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
+      "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
+      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[11] output_mask) -> Tensor[]",
+      {at::Tag::pt2_compliant_tag});
+}

@@ -1,0 +1,54 @@
+"""Python entry point of the ``kt.moe`` op."""
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+
+def moe(
+    hidden_states: Tensor,
+    topk_ids: Tensor,
+    topk_weights: Tensor,
+    gate_proj: Tensor,
+    up_proj: Tensor,
+    down_proj: Tensor,
+    gate_lora_a: Optional[Tensor] = None,
+    gate_lora_b: Optional[Tensor] = None,
+    up_lora_a: Optional[Tensor] = None,
+    up_lora_b: Optional[Tensor] = None,
+    down_lora_a: Optional[Tensor] = None,
+    down_lora_b: Optional[Tensor] = None,
+    lora_scale: float = 1.0,
+) -> Tensor:
+    """Routed SwiGLU experts with optional LoRA; same call as ``torch.ops.kt.moe``.
+
+    For each token ``t`` and slot ``j`` with expert ``e = topk_ids[t, j]``::
+
+        g = x·gate_proj[e]ᵀ + s·(x·gate_lora_a[e]ᵀ)·gate_lora_b[e]ᵀ
+        u = x·up_proj[e]ᵀ   + s·(x·up_lora_a[e]ᵀ)·up_lora_b[e]ᵀ
+        h = silu(g) * u
+        o = h·down_proj[e]ᵀ + s·(h·down_lora_a[e]ᵀ)·down_lora_b[e]ᵀ
+        y[t] = Σ_j topk_weights[t, j] · o
+
+    with ``s = lora_scale`` (PEFT's ``alpha / r``).
+
+    Args:
+        hidden_states: ``[..., H]``, float32, bfloat16 or float64 (bf16 accumulates in fp32).
+        topk_ids: ``[..., K]`` int32 or int64, each in ``[0, E)``; same leading dims.
+        topk_weights: ``[..., K]`` float32, bfloat16 or float64 routing weights.
+        gate_proj, up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` (dtype of hidden_states).
+        *_lora_a: ``[E, r, in]``; *_lora_b: ``[E, out, r]`` (PEFT layout, stacked over
+            experts). Give A and B together; one rank r for all adapters.
+        lora_scale: the LoRA scale ``alpha / r``.
+
+    Returns:
+        ``[..., H]`` in the dtype of ``hidden_states``.
+
+    Differentiable in every tensor argument but ``topk_ids``; only the gradients that are
+    needed are computed (frozen base + LoRA, full, hybrid, or none: then nothing is saved).
+    """
+    return torch.ops.kt.moe(
+        hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+        gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
+        float(lora_scale),
+    )

@@ -1,0 +1,41 @@
+"""Plain-PyTorch reference of kt.moe: slow, obviously correct, differentiable by autograd.
+
+Tests run it in float64 and compare the op's output and gradients against it.
+"""
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+
+def _project(inp: Tensor, weight: Tensor, lora_a: Optional[Tensor], lora_b: Optional[Tensor],
+             scale: float) -> Tensor:
+    """inp [T, K, in], weight/lora_* already gathered per (token, slot): [T, K, out, in] ..."""
+    out = torch.einsum("tki,tkoi->tko", inp, weight)
+    if lora_a is not None:
+        low_rank = torch.einsum("tki,tkri->tkr", inp, lora_a)
+        out = out + scale * torch.einsum("tkr,tkor->tko", low_rank, lora_b)
+    return out
+
+
+def moe_reference(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                  gate_lora_a=None, gate_lora_b=None, up_lora_a=None, up_lora_b=None,
+                  down_lora_a=None, down_lora_b=None, lora_scale=1.0) -> Tensor:
+    """Same math and arguments as :func:`kt_ops.moe`, computed per (token, slot) pair."""
+    H = hidden_states.shape[-1]
+    K = topk_ids.shape[-1]
+    x = hidden_states.reshape(-1, H)
+    ids = topk_ids.reshape(-1, K).long()
+    w = topk_weights.reshape(-1, K)
+
+    def gathered(t):
+        return None if t is None else t[ids]  # [T, K, ...]
+
+    xk = x.unsqueeze(1).expand(-1, K, -1)
+    g = _project(xk, gathered(gate_proj), gathered(gate_lora_a), gathered(gate_lora_b), lora_scale)
+    u = _project(xk, gathered(up_proj), gathered(up_lora_a), gathered(up_lora_b), lora_scale)
+    h = F.silu(g) * u
+    o = _project(h, gathered(down_proj), gathered(down_lora_a), gathered(down_lora_b), lora_scale)
+    y = (w.unsqueeze(-1).to(o.dtype) * o).sum(1)
+    return y.reshape(hidden_states.shape).to(hidden_states.dtype)

@@ -1,0 +1,68 @@
+// Meta kernels (shapes only) of kt.moe_forward and kt.moe_backward.
+//
+// They serve FakeTensor tracing under torch.compile / torch.export / opcheck and models
+// built on device="meta". Sizes are SymInts throughout, so symbolic batch and sequence
+// lengths trace without specialising. Validation is shared with the CPU kernels
+// (csrc/ops/moe_checks.h): a bad call fails the same way when traced and when run.
+#include <torch/library.h>
+
+#include "ops/moe_checks.h"
+
+namespace kt {
+namespace {
+
+std::tuple<at::Tensor, at::Tensor> moe_forward_meta(
+    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
+    const at::Tensor& gate_proj, const at::Tensor& up_proj, const at::Tensor& down_proj,
+    const std::optional<at::Tensor>& gate_lora_a, const std::optional<at::Tensor>& gate_lora_b,
+    const std::optional<at::Tensor>& up_lora_a, const std::optional<at::Tensor>& up_lora_b,
+    const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
+    double lora_scale, bool save_activations) {
+  const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                                          {gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b},
+                                          lora_scale);
+  return {at::empty_symint(hidden_states.sym_sizes(), hidden_states.options()),
+          at::empty_symint(activation_shape(sizes, save_activations), hidden_states.options())};
+}
+
+at::Tensor grad_like(bool needed, const at::Tensor& like) {
+  return needed ? at::empty_symint(like.sym_sizes(), like.options()) : at::empty({0}, like.options());
+}
+
+at::Tensor grad_like(bool needed, const std::optional<at::Tensor>& like, const at::Tensor& fallback) {
+  return like.has_value() ? grad_like(needed, *like) : at::empty({0}, fallback.options());
+}
+
+std::vector<at::Tensor> moe_backward_meta(
+    const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
+    const at::Tensor& topk_weights, const at::Tensor& activations, const at::Tensor& gate_proj,
+    const at::Tensor& up_proj, const at::Tensor& down_proj, const std::optional<at::Tensor>& gate_lora_a,
+    const std::optional<at::Tensor>& gate_lora_b, const std::optional<at::Tensor>& up_lora_a,
+    const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
+    const std::optional<at::Tensor>& down_lora_b, double lora_scale, std::array<bool, 11> output_mask) {
+  const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
+  const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
+                                          lora, lora_scale);
+  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask);
+  const auto& m = output_mask;
+  return {grad_like(m[0], hidden_states),
+          grad_like(m[1], topk_weights),
+          grad_like(m[2], gate_proj),
+          grad_like(m[3], up_proj),
+          grad_like(m[4], down_proj),
+          grad_like(m[5], gate_lora_a, hidden_states),
+          grad_like(m[6], gate_lora_b, hidden_states),
+          grad_like(m[7], up_lora_a, hidden_states),
+          grad_like(m[8], up_lora_b, hidden_states),
+          grad_like(m[9], down_lora_a, hidden_states),
+          grad_like(m[10], down_lora_b, hidden_states)};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, Meta, m) {
+  m.impl("moe_forward", &moe_forward_meta);
+  m.impl("moe_backward", &moe_backward_meta);
+}
+
+}  // namespace kt

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Sets up a fresh checkout: a virtual environment in .venv with the pinned CPU torch and the
+# test tools, then builds kt_ops' C++ extension against that torch (no build isolation: an
+# isolated build would fetch another torch). Safe to run again.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check \
+    torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel
+MAX_JOBS="${MAX_JOBS:-2}" .venv/bin/python -m pip install -q --disable-pip-version-check \
+    --no-build-isolation -e .

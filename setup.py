@@ -1,0 +1,38 @@
+"""Build kt_ops: the Python package plus one C++ extension, kt_ops._C.
+
+The extension holds the op schemas (csrc/ops/registration.cpp), the CPU kernels
+(csrc/ops/) and the Meta/fake kernels (meta_kernels/). Build it against the
+torch already installed, without pip's build isolation:
+
+    pip install --no-build-isolation -e .
+"""
+import glob
+import os
+
+from setuptools import setup
+from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("meta_kernels/*.cpp"))
+
+setup(
+    name="kt_ops",
+    version="0.1.0",
+    description="torch.library custom ops for MoE fine-tuning with CPU-resident experts",
+    packages=["kt_ops"],
+    python_requires=">=3.10",
+    install_requires=["torch==2.13.0"],
+    ext_modules=[
+        CppExtension(
+            "kt_ops._C",
+            sources,
+            include_dirs=[os.path.join(ROOT, "csrc")],
+            # at::parallel_for is header-inline OpenMP: without -fopenmp it runs serially.
+            extra_compile_args={"cxx": ["-O3", "-fopenmp", "-DPy_LIMITED_API=0x03090000"]},
+            extra_link_args=["-fopenmp"],
+            py_limited_api=True,
+        )
+    ],
+    cmdclass={"build_ext": BuildExtension},
+    options={"bdist_wheel": {"py_limited_api": "cp39"}},
+)
