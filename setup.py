@@ -19,7 +19,8 @@ setup(
     name="kt_ops",
     version="0.1.0",
     description="torch.library custom ops for MoE fine-tuning with CPU-resident experts",
-    packages=["kt_ops"],
+    packages=["kt_ops", "kt_ops.meta_kernels"],
+    package_dir={"kt_ops.meta_kernels": "meta_kernels"},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     ext_modules=[

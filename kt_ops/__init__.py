@@ -1,12 +1,18 @@
 """kt_ops: torch.library custom ops for MoE fine-tuning with CPU-resident experts.
 
-``import kt_ops`` loads the native library (schemas, CPU and Meta kernels) and registers
-the autograd formulas, after which ``torch.ops.kt.moe`` is a differentiable op.
+``import kt_ops`` loads the native library (schemas, C++ CPU and Meta kernels) and
+registers the Python parts (fault-reporting kernel wrappers, collectives, fake kernels,
+autograd formulas), after which ``torch.ops.kt.*`` are differentiable ops.
 """
 import torch  # noqa: F401  (the extension needs libtorch loaded first)
 
-from kt_ops import _C  # noqa: F401  (registers torch.ops.kt.*)
-from kt_ops import _autograd  # noqa: F401  (registers autograd of kt.moe_forward)
+from kt_ops import _C  # noqa: F401  (registers torch.ops.kt.* schemas and C++ kernels)
+from kt_ops import _kernels  # noqa: F401
+from kt_ops import _autograd  # noqa: F401
+from kt_ops import meta_kernels  # noqa: F401
+from kt_ops import collectives  # noqa: F401
+from kt_ops import scale_grad  # noqa: F401
+from kt_ops.collectives import gather_to_owner, scatter_from_owner
 from kt_ops.moe import moe
 
-__all__ = ["moe"]
+__all__ = ["moe", "gather_to_owner", "scatter_from_owner"]

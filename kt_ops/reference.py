@@ -25,9 +25,10 @@ def moe_reference(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, dow
     """Same math and arguments as :func:`kt_ops.moe`, computed per (token, slot) pair."""
     H = hidden_states.shape[-1]
     K = topk_ids.shape[-1]
-    x = hidden_states.reshape(-1, H)
-    ids = topk_ids.reshape(-1, K).long()
-    w = topk_weights.reshape(-1, K)
+    T = hidden_states.shape[:-1].numel()  # not reshape(-1, K): ambiguous when K == 0
+    x = hidden_states.reshape(T, H)
+    ids = topk_ids.reshape(T, K).long()
+    w = topk_weights.reshape(T, K)
 
     def gathered(t):
         return None if t is None else t[ids]  # [T, K, ...]

@@ -56,7 +56,7 @@ std::vector<at::Tensor> moe_backward_cpu(
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
                                           down_proj, lora, lora_scale);
-  const at::Tensor dy_all = grad_output.detach().reshape({-1, in.x.size(1)}).contiguous();
+  const at::Tensor dy_all = grad_output.detach().reshape(in.x.sizes()).contiguous();
   const at::Tensor act = activations.detach().contiguous();
   const auto acc = accumulate_type(in.x.scalar_type());
   const auto ct = in.x.scalar_type();
@@ -147,6 +147,6 @@ std::vector<at::Tensor> moe_backward_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("moe_backward", &moe_backward_cpu); }
+TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("_moe_backward_cpu", &moe_backward_cpu); }
 
 }  // namespace kt

@@ -2,6 +2,7 @@
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
+#include <c10/util/accumulate.h>
 
 namespace kt {
 namespace {
@@ -20,10 +21,12 @@ MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& 
                              const LoraTensors& lora, double lora_scale) {
   const int64_t H = hidden_states.size(-1);
   const int64_t K = topk_ids.size(-1);
+  // T from the leading dims, not reshape(-1, ...): -1 is ambiguous when K (or H) is 0.
+  const int64_t T = c10::multiply_integers(hidden_states.sizes().begin(), hidden_states.sizes().end() - 1);
   MoeInputs in;
-  in.x = plain(hidden_states).reshape({-1, H});
-  in.ids = plain(topk_ids).reshape({-1, K});
-  in.weights = plain(topk_weights).reshape({-1, K}).to(accumulate_type(hidden_states.scalar_type()));
+  in.x = plain(hidden_states).reshape({T, H});
+  in.ids = plain(topk_ids).reshape({T, K});
+  in.weights = plain(topk_weights).reshape({T, K}).to(accumulate_type(hidden_states.scalar_type()));
   in.gate = plain(gate_proj);
   in.up = plain(up_proj);
   in.down = plain(down_proj);

@@ -67,6 +67,6 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("moe_forward", &moe_forward_cpu); }
+TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("_moe_forward_cpu", &moe_forward_cpu); }
 
 }  // namespace kt

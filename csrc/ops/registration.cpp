@@ -43,4 +43,34 @@ TORCH_LIBRARY(kt, m) {
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[11] output_mask) -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
+
+  // The C++ CPU kernels of moe_forward / moe_backward. The CPU kernels registered for the
+  // two ops above are thin Python wrappers (kt_ops/_kernels.py) that call these and, on
+  // failure, tell the other ranks of a distributed job before raising (kt_ops/faults.py).
+  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False) -> (Tensor output, Tensor activations)");
+  m.def(
+      "_moe_backward_cpu(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
+      "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
+      "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
+      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[11] output_mask) -> Tensor[]");
+
+  // Collectives over a torch.distributed process group (kernels and autograd:
+  // kt_ops/collectives.py; fakes: meta_kernels/collectives.py). rank and world_size are
+  // this process's place in the group, so that shapes are a function of the arguments.
+  m.def(
+      "gather_to_owner(Tensor[] tensors, int rank, int world_size, int owner_rank, int tag, "
+      "str group_name) -> (Tensor[] gathered, Tensor lengths)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "scatter_from_owner(Tensor[] tensors, Tensor lengths, SymInt local_rows, int rank, int world_size, "
+      "int owner_rank, int tag, str group_name) -> Tensor[]",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "gather_to_owner_sized(Tensor[] tensors, Tensor lengths, SymInt total_rows, int rank, int world_size, "
+      "int owner_rank, int tag, str group_name) -> Tensor[]",
+      {at::Tag::pt2_compliant_tag});
+
+  // Identity whose gradient is multiplied by `scale` (kt_ops/layer.py uses it to give the
+  // owner's expert gradients DDP's average-over-ranks meaning).
+  m.def("scale_grad(Tensor self, float scale) -> Tensor", {at::Tag::pt2_compliant_tag});
 }

@@ -1,0 +1,133 @@
+"""Failure propagation between the ranks of a KT MoE job.
+
+Only the owner rank computes the experts. If it fails there (an exception in kt.moe's
+forward or backward), the other ranks are already waiting for its rows inside a kt
+collective and would wait forever. So:
+
+* every kt kernel that fails while a process group is registered here writes its rank and
+  message to the group's store (:func:`report_failure`, called by the kernels' wrappers);
+* every kt collective waits by polling its work and, between polls, the store
+  (:func:`wait_for`); when another rank has reported, it raises ``RemoteRankFailure``
+  (a ``RuntimeError``) carrying that rank's message.
+
+After a failure the group is poisoned: later kt collectives on it raise at once, since
+the ranks are no longer in step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from typing import Optional
+
+import torch.distributed as dist
+
+_KEY_PREFIX = "kt_ops/faults"
+
+
+class RemoteRankFailure(RuntimeError):
+    """Raised on every rank when a rank of the group failed inside a kt op."""
+
+
+class _Channel:
+    def __init__(self, group_name: str, store, rank: int, world_size: int):
+        self.group_name = group_name
+        self.store = store
+        self.rank = rank
+        self.world_size = world_size
+        self.failure: Optional[str] = None  # set once a failure is seen: the group is poisoned
+
+    def key(self, what: str) -> str:
+        return f"{_KEY_PREFIX}/{self.group_name}/{what}"
+
+    def report(self, message: str) -> None:
+        if self.failure is not None:
+            return
+        self.failure = f"rank {self.rank} failed: {message}"
+        try:
+            self.store.set(self.key(f"message/{self.rank}"), message)
+            self.store.add(self.key("count"), 1)
+        except Exception:  # the store itself is gone: nothing more can be told
+            pass
+
+    def remote_failure(self) -> Optional[str]:
+        """Message of the first rank (by rank order) that reported, or None."""
+        if self.failure is not None:
+            return self.failure
+        if self.store.add(self.key("count"), 0) == 0:
+            return None
+        messages = []
+        for r in range(self.world_size):
+            key = self.key(f"message/{r}")
+            if self.store.check([key]):
+                messages.append(f"rank {r} failed: {self.store.get(key).decode(errors='replace')}")
+        self.failure = "; ".join(messages) or "another rank failed"
+        return self.failure
+
+
+_channels: dict[str, _Channel] = {}
+_lock = threading.Lock()
+
+
+def register_group(group: dist.ProcessGroup) -> None:
+    """Watch `group` for failures of kt ops (idempotent). Called by the kt collectives."""
+    name = group.group_name
+    with _lock:
+        if name not in _channels:
+            store = dist.distributed_c10d._get_default_store()
+            _channels[name] = _Channel(name, store, group.rank(), group.size())
+
+
+def _channel(group: dist.ProcessGroup) -> _Channel:
+    register_group(group)
+    return _channels[group.group_name]
+
+
+def report_failure(error: BaseException) -> None:
+    """Tell every registered group that this rank failed with `error`."""
+    message = f"{type(error).__name__}: {error}"
+    with _lock:
+        channels = list(_channels.values())
+    for channel in channels:
+        channel.report(message)
+
+
+def check_group(group: dist.ProcessGroup) -> None:
+    """Raise RemoteRankFailure if any rank of `group` has failed in a kt op."""
+    failure = _channel(group).remote_failure()
+    if failure is not None:
+        raise RemoteRankFailure(f"kt_ops: {failure}")
+
+
+def wait_for(works, group: dist.ProcessGroup, poll_max_s: float = 0.005) -> None:
+    """Wait for async c10d works, raising RemoteRankFailure if a rank reports a failure.
+
+    Works that cannot be polled from the host (NCCL's complete on the GPU stream) are
+    waited for normally: their collectives are enqueued, not blocking.
+    """
+    pending = [w for w in works if w is not None]
+    if group.size() > 1 and dist.get_backend(group) == "gloo":
+        pause = 0.0001
+        while not all(w.is_completed() for w in pending):
+            check_group(group)
+            time.sleep(pause)
+            pause = min(pause * 2, poll_max_s)
+    for w in pending:
+        w.wait()  # surfaces the work's own error, if any
+
+
+# ---- fault injection, for tests of the failure paths ---------------------------------------
+_injected: dict[str, str] = {}
+
+
+def inject_failure(where: str, message: str = "injected failure") -> None:
+    """Make the next kt kernel call at `where` ("moe_forward" or "moe_backward") on this
+    process raise RuntimeError(message). For testing the failure paths."""
+    if where not in ("moe_forward", "moe_backward"):
+        raise ValueError(f"inject_failure: where must be 'moe_forward' or 'moe_backward', got {where!r}")
+    _injected[where] = message
+
+
+def maybe_inject(where: str) -> None:
+    message = _injected.pop(where, None)
+    if message is not None:
+        raise RuntimeError(message)

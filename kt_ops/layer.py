@@ -1,0 +1,164 @@
+"""KTMoE: a mixture-of-experts layer whose routed experts live in CPU memory on one rank."""
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from kt_ops.rank_discovery import discover_rank
+
+_layer_ids = itertools.count()
+
+_LORA_NAMES = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
+
+
+@torch.compiler.assume_constant_result
+def _default_group_name() -> str:
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("KTMoE was built for a multi-rank job but torch.distributed is not "
+                           "initialized: call init_process_group before the first forward")
+    return dist.group.WORLD.group_name
+
+
+class KTMoE(nn.Module):
+    """Routed SwiGLU experts (optionally with LoRA) computed on the CPU of one owner rank.
+
+    ``forward(hidden_states[..., H]) -> [..., H]``: the router (``self.gate``) runs on the
+    rank's own device; hidden states, expert ids and routing weights are gathered to the
+    owner rank, ``kt.moe`` runs there on the CPU, and each rank gets its rows back. In one
+    process (no process group, or world size 1) the same code runs without collectives.
+
+    Parameters: ``gate`` (the router, ``nn.Linear(H, E, bias=False)``); on the owner rank
+    only, ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]`` and, with
+    ``lora_rank > 0``, the PEFT-layout adapters ``{gate,up,down}_lora_{a,b}``
+    (``[E, r, in]`` / ``[E, out, r]``, B initialised to zero). Other ranks allocate no expert
+    memory at all. Base weights require grad only with ``train_base=True``.
+
+    Gradient semantics: the owner's expert (and LoRA) gradients are the *average* over ranks
+    of each rank's loss gradient, exactly what DDP would give if every rank held the experts,
+    so the same optimizer settings work with 1 or N ranks. Router gradients are each rank's
+    own (average them with DDP, as for any replicated parameter); hidden-state gradients
+    are each rank's own.
+
+    The rank and world size come from ``process_group`` (or the default group) when it
+    exists, else from ``RANK``/``WORLD_SIZE`` (see :mod:`kt_ops.rank_discovery`).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
+                 lora_rank: int = 0, lora_alpha: Optional[float] = None, train_base: bool = False,
+                 norm_topk_prob: bool = True, owner_rank: int = 0,
+                 process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16):
+        super().__init__()
+        for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
+                            ("num_experts", num_experts), ("top_k", top_k)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"KTMoE: {name} must be a positive int, got {value!r}")
+        if top_k > num_experts:
+            raise ValueError(f"KTMoE: top_k ({top_k}) must be <= num_experts ({num_experts})")
+        if not isinstance(lora_rank, int) or lora_rank < 0:
+            raise ValueError(f"KTMoE: lora_rank must be an int >= 0, got {lora_rank!r}")
+        if dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise ValueError(f"KTMoE: dtype must be float32, bfloat16 or float64, got {dtype}")
+        self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
+        self.num_experts, self.top_k = num_experts, top_k
+        self.lora_rank = lora_rank
+        self.lora_alpha = float(lora_alpha) if lora_alpha is not None else float(max(lora_rank, 1))
+        self.lora_scale = self.lora_alpha / lora_rank if lora_rank else 1.0
+        self.train_base = train_base
+        self.norm_topk_prob = norm_topk_prob
+        self.rank, self.world_size = discover_rank(process_group)
+        if not 0 <= owner_rank < self.world_size:
+            raise ValueError(f"KTMoE: owner_rank must be in [0, {self.world_size}), got {owner_rank}")
+        self.owner_rank = owner_rank
+        self.process_group = process_group
+        self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
+
+        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        if self.is_owner:
+            E, I, H = num_experts, intermediate_size, hidden_size
+            cpu = {"dtype": dtype, "device": "cpu"} if not _building_on_meta() else {"dtype": dtype}
+            self.gate_proj = nn.Parameter(torch.empty(E, I, H, **cpu), requires_grad=train_base)
+            self.up_proj = nn.Parameter(torch.empty(E, I, H, **cpu), requires_grad=train_base)
+            self.down_proj = nn.Parameter(torch.empty(E, H, I, **cpu), requires_grad=train_base)
+            if lora_rank:
+                r = lora_rank
+                for name, shape in (("gate_lora_a", (E, r, H)), ("gate_lora_b", (E, I, r)),
+                                    ("up_lora_a", (E, r, H)), ("up_lora_b", (E, I, r)),
+                                    ("down_lora_a", (E, r, I)), ("down_lora_b", (E, H, r))):
+                    setattr(self, name, nn.Parameter(torch.empty(shape, **cpu)))
+        self.reset_parameters()
+
+    @property
+    def is_owner(self) -> bool:
+        return self.rank == self.owner_rank
+
+    def reset_parameters(self) -> None:
+        if self.gate.weight.device.type == "meta":
+            return
+        with torch.no_grad():
+            nn.init.normal_(self.gate.weight, std=self.hidden_size ** -0.5)
+            if not self.is_owner:
+                return
+            for w in (self.gate_proj, self.up_proj):
+                nn.init.normal_(w, std=self.hidden_size ** -0.5)
+            nn.init.normal_(self.down_proj, std=self.intermediate_size ** -0.5)
+            if self.lora_rank:
+                for name in ("gate_lora_a", "up_lora_a", "down_lora_a"):
+                    a = getattr(self, name)
+                    nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))  # PEFT's init
+                for name in ("gate_lora_b", "up_lora_b", "down_lora_b"):
+                    nn.init.zeros_(getattr(self, name))
+
+    def expert_tensors(self) -> tuple:
+        """The owner's (gate_proj, up_proj, down_proj, *6 LoRA tensors or None)."""
+        lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
+        return (self.gate_proj, self.up_proj, self.down_proj) + lora
+
+    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        """Router: softmax over experts in fp32, top-k, optionally renormalised."""
+        probs = F.softmax(self.gate(x).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
+
+    def _experts(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
+        """kt.moe where the experts live (the owner's CPU); x, ids, weights may be anywhere."""
+        device, dtype = self.gate_proj.device, self.gate_proj.dtype
+        out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
+                               *self.expert_tensors(), self.lora_scale)
+        return out.to(x.device, x.dtype)
+
+    def _group_name(self) -> str:
+        return self.process_group.group_name if self.process_group is not None else _default_group_name()
+
+    def forward(self, hidden_states: Tensor) -> Tensor:
+        shape = hidden_states.shape
+        x = hidden_states.reshape(-1, self.hidden_size)
+        weights, ids = self.route(x)
+        if self.world_size == 1:
+            return self._experts(x, ids, weights).reshape(shape)
+
+        args = (self.rank, self.world_size, self.owner_rank, self.layer_id, self._group_name())
+        (x_all, ids_all, weights_all), lengths = torch.ops.kt.gather_to_owner([x, ids, weights], *args)
+        if self.is_owner:
+            # DDP semantics: the experts see every rank's loss, so scale their gradients by
+            # 1/world_size, and undo the scale on the gradients that flow back to the ranks.
+            w = float(self.world_size)
+            x_all = torch.ops.kt.scale_grad(x_all, w)
+            weights_all = torch.ops.kt.scale_grad(weights_all, w)
+            out_all = torch.ops.kt.scale_grad(self._experts(x_all, ids_all, weights_all), 1.0 / w)
+        else:
+            out_all = x_all  # [0, H]: nothing to compute, but keeps the collectives chained
+        (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
+        return out.reshape(shape)
+
+
+def _building_on_meta() -> bool:
+    """True inside `with torch.device("meta")`: then expert weights are not forced onto the CPU."""
+    return torch.empty(0).device.type == "meta"
