@@ -12,7 +12,9 @@ from kt_ops import _autograd  # noqa: F401
 from kt_ops import meta_kernels  # noqa: F401
 from kt_ops import collectives  # noqa: F401
 from kt_ops import scale_grad  # noqa: F401
+from kt_ops.checkpoint import checkpoint, checkpoint_context_fn
 from kt_ops.collectives import gather_to_owner, scatter_from_owner
+from kt_ops.layer import KTMoE
 from kt_ops.moe import moe
 
-__all__ = ["moe", "gather_to_owner", "scatter_from_owner"]
+__all__ = ["moe", "KTMoE", "gather_to_owner", "scatter_from_owner", "checkpoint", "checkpoint_context_fn"]

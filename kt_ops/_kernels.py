@@ -1,13 +1,22 @@
 """CPU kernels of kt.moe_forward / kt.moe_backward: the C++ kernels (kt._moe_*_cpu),
 called so that a failure is reported to the other ranks of a distributed job before it
-is raised here (see kt_ops/faults.py). The wrapper costs a few microseconds a call."""
+is raised here (see kt_ops/faults.py). The wrapper costs a few microseconds a call.
+
+``calls`` counts the executions of each kernel in this process: it is read from outside
+compiled code (e.g. to check that checkpointing does not re-run the CPU experts).
+"""
+import collections
+
 import torch
 
 from kt_ops import faults
 
+calls: collections.Counter = collections.Counter()
+
 
 def _reporting_failures(kernel, where):
     def run(*args):
+        calls[where] += 1
         try:
             faults.maybe_inject(where)
             return kernel(*args)

@@ -139,7 +139,19 @@ def _start(op: str, rank: int, world_size: int, owner_rank: int, group_name: str
     return group
 
 
+def _refuse_recompute(op: str) -> None:
+    """A forward collective that runs inside backward is activation checkpointing replaying
+    it: ranks may not replay alike, so this is refused (the fix: kt's checkpoint policy)."""
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(
+            f"kt.{op} was called during backward: activation checkpointing is recomputing a "
+            "distributed KT layer, which would replay its collectives (ranks can deadlock). "
+            "Checkpoint with kt_ops' policy instead: torch.utils.checkpoint.checkpoint(fn, ..., "
+            "use_reentrant=False, context_fn=kt_ops.checkpoint_context_fn), or kt_ops.checkpoint(fn, ...)")
+
+
 def _gather_impl(tensors, rank, world_size, owner_rank, tag, group_name):
+    _refuse_recompute("gather_to_owner")
     rows = tensors[0].shape[0] if len(tensors) and tensors[0].dim() > 0 else -1
     group = _start("gather_to_owner", rank, world_size, owner_rank, group_name, tensors, rows)
     with torch.profiler.record_function("kt.gather_to_owner"):

@@ -39,11 +39,12 @@ std::vector<at::Tensor> moe_backward_meta(
     const at::Tensor& up_proj, const at::Tensor& down_proj, const std::optional<at::Tensor>& gate_lora_a,
     const std::optional<at::Tensor>& gate_lora_b, const std::optional<at::Tensor>& up_lora_a,
     const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
-    const std::optional<at::Tensor>& down_lora_b, double lora_scale, std::array<bool, 11> output_mask) {
+    const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                                           lora, lora_scale);
-  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask);
+  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask_list);
+  const std::array<bool, 11> output_mask = output_mask_array(output_mask_list);
   const auto& m = output_mask;
   return {grad_like(m[0], hidden_states),
           grad_like(m[1], topk_weights),

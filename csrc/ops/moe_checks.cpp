@@ -106,14 +106,14 @@ MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& top
 
 void check_moe_backward_inputs(const MoeSizes& sizes, const at::Tensor& grad_output,
                                const at::Tensor& hidden_states, const at::Tensor& activations,
-                               const LoraTensors& lora, c10::ArrayRef<bool> output_mask) {
+                               const LoraTensors& lora, const c10::List<bool>& output_mask) {
   TORCH_CHECK_VALUE(output_mask.size() == 11, "kt.moe_backward: output_mask must have 11 entries, got ",
                     output_mask.size());
   // Entries 5..10 are the LoRA tensors: their gradients exist only where the adapter does.
   const bool has_lora[6] = {lora.has_gate(), lora.has_gate(), lora.has_up(),
                             lora.has_up(),   lora.has_down(), lora.has_down()};
   for (int i = 0; i < 6; ++i) {
-    TORCH_CHECK_VALUE(!output_mask[5 + i] || has_lora[i], "kt.moe_backward: output_mask[", 5 + i,
+    TORCH_CHECK_VALUE(!output_mask.get(5 + i) || has_lora[i], "kt.moe_backward: output_mask[", 5 + i,
                       "] asks for the gradient of a LoRA tensor that was not given");
   }
   TORCH_CHECK_VALUE(grad_output.sym_sizes() == hidden_states.sym_sizes(),
@@ -131,6 +131,12 @@ void check_moe_backward_inputs(const MoeSizes& sizes, const at::Tensor& grad_out
                     activations.sym_sizes());
   TORCH_CHECK_TYPE(activations.scalar_type() == hidden_states.scalar_type(),
                    "kt.moe_backward: activations must have the dtype of hidden_states");
+}
+
+std::array<bool, 11> output_mask_array(const c10::List<bool>& output_mask) {
+  std::array<bool, 11> mask{};
+  for (size_t i = 0; i < mask.size(); ++i) mask[i] = output_mask.get(i);
+  return mask;
 }
 
 std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved) {

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/core/List.h>
 #include <c10/util/Optional.h>
 
 #include <array>
@@ -48,7 +49,10 @@ void check_moe_backward_inputs(
     const at::Tensor& hidden_states,
     const at::Tensor& activations,
     const LoraTensors& lora,
-    c10::ArrayRef<bool> output_mask);
+    const c10::List<bool>& output_mask);
+
+// output_mask as a fixed array (after check_moe_backward_inputs checked its size).
+std::array<bool, 11> output_mask_array(const c10::List<bool>& output_mask);
 
 // Shape of the saved activations: [2, T*K, I], or [2, 0, I] when nothing is saved.
 std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved);

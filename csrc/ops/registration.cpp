@@ -41,7 +41,7 @@ TORCH_LIBRARY(kt, m) {
       "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
-      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[11] output_mask) -> Tensor[]",
+      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask) -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 
   // The C++ CPU kernels of moe_forward / moe_backward. The CPU kernels registered for the
@@ -52,7 +52,7 @@ TORCH_LIBRARY(kt, m) {
       "_moe_backward_cpu(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
-      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[11] output_mask) -> Tensor[]");
+      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask) -> Tensor[]");
 
   // Collectives over a torch.distributed process group (kernels and autograd:
   // kt_ops/collectives.py; fakes: meta_kernels/collectives.py). rank and world_size are
