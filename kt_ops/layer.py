@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import itertools
-import math
 from typing import Optional
 
 import torch
@@ -98,19 +97,27 @@ class KTMoE(nn.Module):
         return self.rank == self.owner_rank
 
     def reset_parameters(self) -> None:
+        """Router from the global RNG; experts from a generator seeded by one draw of it.
+
+        Every rank draws the same numbers from the global RNG whether or not it owns the
+        experts, so the rest of a model built after this layer initialises identically on
+        all ranks (and like a single-process run with the same seed)."""
         if self.gate.weight.device.type == "meta":
             return
         with torch.no_grad():
             nn.init.normal_(self.gate.weight, std=self.hidden_size ** -0.5)
+            expert_seed = int(torch.randint(0, 2**62, ()).item())
             if not self.is_owner:
                 return
-            for w in (self.gate_proj, self.up_proj):
-                nn.init.normal_(w, std=self.hidden_size ** -0.5)
-            nn.init.normal_(self.down_proj, std=self.intermediate_size ** -0.5)
+            g = torch.Generator().manual_seed(expert_seed)
+            for w, fan_in in ((self.gate_proj, self.hidden_size), (self.up_proj, self.hidden_size),
+                              (self.down_proj, self.intermediate_size)):
+                w.copy_(torch.randn(w.shape, generator=g) * fan_in ** -0.5)
             if self.lora_rank:
                 for name in ("gate_lora_a", "up_lora_a", "down_lora_a"):
-                    a = getattr(self, name)
-                    nn.init.kaiming_uniform_(a.view(-1, a.shape[-1]), a=math.sqrt(5))  # PEFT's init
+                    a = getattr(self, name)  # PEFT's init: kaiming_uniform(a=sqrt(5)) = U(±1/sqrt(in))
+                    bound = a.shape[-1] ** -0.5
+                    a.copy_(torch.rand(a.shape, generator=g) * (2 * bound) - bound)
                 for name in ("gate_lora_b", "up_lora_b", "down_lora_b"):
                     nn.init.zeros_(getattr(self, name))
 
