@@ -90,13 +90,14 @@ std::vector<at::Tensor> moe_backward_cpu(
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 
   for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
-    const int64_t e = blk.expert, n = blk.end - blk.begin;
+    // Rows [n, padded) are zeros (see padded_rows): they add nothing to any gradient.
+    const int64_t e = blk.expert, n = blk.end - blk.begin, padded = padded_rows(n);
     const at::Tensor tokens = routing.sorted_tokens.narrow(0, blk.begin, n);
-    const at::Tensor w = in.weights.view(-1).index_select(0, routing.sorted_pairs.narrow(0, blk.begin, n))
-                             .unsqueeze(1);  // [n, 1], accumulation dtype
-    const at::Tensor dy = dy_all.index_select(0, tokens);
-    const at::Tensor g = act[0].narrow(0, blk.begin, n).to(acc);
-    const at::Tensor u = act[1].narrow(0, blk.begin, n).to(acc);
+    const at::Tensor w = gather_rows_padded(in.weights.view({-1, 1}),
+                                            routing.sorted_pairs.narrow(0, blk.begin, n), padded);  // [padded, 1]
+    const at::Tensor dy = gather_rows_padded(dy_all, tokens, padded);
+    const at::Tensor g = pad_rows(act[0].narrow(0, blk.begin, n), padded, acc);
+    const at::Tensor u = pad_rows(act[1].narrow(0, blk.begin, n), padded, acc);
     const at::Tensor sig = at::sigmoid(g);
     const at::Tensor silu_g = g * sig;
     const at::Tensor h_acc = silu_g * u;
@@ -104,7 +105,7 @@ std::vector<at::Tensor> moe_backward_cpu(
 
     const at::Tensor dh_unweighted =
         lora_input_grad(dy, in.down, in.lora.down_a, in.lora.down_b, s, e).to(acc);
-    if (need(kWeights)) dw_rows.narrow(0, blk.begin, n).copy_((dh_unweighted * h_acc).sum(1));
+    if (need(kWeights)) dw_rows.narrow(0, blk.begin, n).copy_((dh_unweighted * h_acc).sum(1).narrow(0, 0, n));
     if (need_scaled_dy) {
       const at::Tensor dy_w = (dy.to(acc) * w).to(ct);
       lora_weight_grads(dy_w, h, in.lora.down_a, in.lora.down_b, s, e, need(kDown), need(kDownA),
@@ -117,10 +118,10 @@ std::vector<at::Tensor> moe_backward_cpu(
     if (need(kHidden)) {
       at::Tensor dx = lora_input_grad(dg, in.gate, in.lora.gate_a, in.lora.gate_b, s, e).to(acc);
       dx.add_(lora_input_grad(du, in.up, in.lora.up_a, in.lora.up_b, s, e));
-      dx_rows.narrow(0, blk.begin, n).copy_(dx);
+      dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
     }
     if (need_x) {
-      const at::Tensor x = in.x.index_select(0, tokens);
+      const at::Tensor x = gather_rows_padded(in.x, tokens, padded);
       lora_weight_grads(dg, x, in.lora.gate_a, in.lora.gate_b, s, e, need(kGate), need(kGateA),
                         need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]);
       lora_weight_grads(du, x, in.lora.up_a, in.lora.up_b, s, e, need(kUp), need(kUpA), need(kUpB),

@@ -63,6 +63,32 @@ void combine_rows(const at::Tensor& rows, const at::Tensor& row_of_pair,
   });
 }
 
+int64_t padded_rows(int64_t n) {
+  if (n <= 16) {
+    int64_t p = 1;
+    while (p < n) p *= 2;
+    return p;
+  }
+  return (n + 15) / 16 * 16;
+}
+
+at::Tensor gather_rows_padded(const at::Tensor& src, const at::Tensor& index, int64_t padded) {
+  const int64_t n = index.numel();
+  at::Tensor out = at::empty({padded, src.size(1)}, src.options());
+  at::Tensor head = out.narrow(0, 0, n);
+  at::index_select_out(head, src, 0, index);
+  out.narrow(0, n, padded - n).zero_();
+  return out;
+}
+
+at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype) {
+  const int64_t n = rows.size(0);
+  at::Tensor out = at::empty({padded, rows.size(1)}, rows.options().dtype(dtype));
+  out.narrow(0, 0, n).copy_(rows);
+  out.narrow(0, n, padded - n).zero_();
+  return out;
+}
+
 at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
                        const std::optional<at::Tensor>& b, double scale) {
   at::Tensor out = at::mm(in, w.t());

@@ -34,6 +34,18 @@ MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& 
 void combine_rows(const at::Tensor& rows, const at::Tensor& row_of_pair,
                   const std::optional<at::Tensor>& scale, at::Tensor& out);
 
+// Row count a block is padded to (with zero rows) before its GEMMs. oneDNN builds (JITs)
+// a kernel for every new GEMM shape, and the rows per expert change every step: without
+// padding, backward spent most of its time building kernels. Buckets: powers of two up to
+// 16, then multiples of 16.
+int64_t padded_rows(int64_t n);
+
+// src.index_select(0, index) followed by zero rows up to `padded` rows.
+at::Tensor gather_rows_padded(const at::Tensor& src, const at::Tensor& index, int64_t padded);
+
+// rows ([n, C]) followed by zero rows up to `padded` rows, in `dtype`.
+at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype);
+
 // x[E, ...] -> x[e]; nullopt stays nullopt.
 inline std::optional<at::Tensor> expert_slice(const std::optional<at::Tensor>& t, int64_t e) {
   return t.has_value() ? std::optional<at::Tensor>(t->select(0, e)) : std::nullopt;

@@ -46,18 +46,18 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
 
   for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
-    const at::Tensor x_e = in.x.index_select(0, routing.sorted_tokens.narrow(0, blk.begin, n));
+    const at::Tensor x_e = gather_rows_padded(in.x, routing.sorted_tokens.narrow(0, blk.begin, n), padded_rows(n));
     const at::Tensor g = lora_linear(x_e, in.gate[e], expert_slice(in.lora.gate_a, e),
                                      expert_slice(in.lora.gate_b, e), in.scale);
     const at::Tensor u = lora_linear(x_e, in.up[e], expert_slice(in.lora.up_a, e),
                                      expert_slice(in.lora.up_b, e), in.scale);
     if (save_activations) {
-      activations[0].narrow(0, blk.begin, n).copy_(g);
-      activations[1].narrow(0, blk.begin, n).copy_(u);
+      activations[0].narrow(0, blk.begin, n).copy_(g.narrow(0, 0, n));
+      activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
     const at::Tensor o = lora_linear(swiglu(g, u), in.down[e], expert_slice(in.lora.down_a, e),
                                      expert_slice(in.lora.down_b, e), in.scale);
-    expert_out.narrow(0, blk.begin, n).copy_(o);
+    expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));
   });
 
   at::Tensor out = at::empty({in.x.size(0), H}, in.x.options());
