@@ -32,7 +32,9 @@ class KTMoE(nn.Module):
     owner rank, ``kt.moe`` runs there on the CPU, and each rank gets its rows back. In one
     process (no process group, or world size 1) the same code runs without collectives.
 
-    Parameters: ``gate`` (the router, ``nn.Linear(H, E, bias=False)``); on the owner rank
+    Parameters: ``gate`` (the router: by default a :class:`SoftmaxTopKRouter` with
+    ``gate.weight`` ``[E, H]``, or the ``router`` module given, mapping ``x [T, H]`` to
+    ``(topk_weights, topk_ids)``, each ``[T, K]``); on the owner rank
     only, ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]`` and, with
     ``lora_rank > 0``, the PEFT-layout adapters ``{gate,up,down}_lora_{a,b}``
     (``[E, r, in]`` / ``[E, out, r]``, B initialised to zero). Other ranks allocate no expert
@@ -51,7 +53,8 @@ class KTMoE(nn.Module):
     def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, *,
                  lora_rank: int = 0, lora_alpha: Optional[float] = None, train_base: bool = False,
                  norm_topk_prob: bool = True, owner_rank: int = 0,
-                 process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16):
+                 process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16,
+                 router: Optional[nn.Module] = None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -77,7 +80,10 @@ class KTMoE(nn.Module):
         self.process_group = process_group
         self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
 
-        self.gate = nn.Linear(hidden_size, num_experts, bias=False, dtype=dtype)
+        # The router: x [T, H] -> (topk_weights [T, K], topk_ids [T, K]). Model integrations
+        # (kt_ops.hf) pass the architecture's own router so that routing is reproduced exactly.
+        self.gate = router if router is not None else SoftmaxTopKRouter(
+            hidden_size, num_experts, top_k, norm_topk_prob, dtype=dtype)
         if self.is_owner:
             E, I, H = num_experts, intermediate_size, hidden_size
             cpu = {"dtype": dtype, "device": "cpu"} if not _building_on_meta() else {"dtype": dtype}
@@ -102,10 +108,11 @@ class KTMoE(nn.Module):
         Every rank draws the same numbers from the global RNG whether or not it owns the
         experts, so the rest of a model built after this layer initialises identically on
         all ranks (and like a single-process run with the same seed)."""
-        if self.gate.weight.device.type == "meta":
+        if self._on_meta_device():
             return
         with torch.no_grad():
-            nn.init.normal_(self.gate.weight, std=self.hidden_size ** -0.5)
+            if isinstance(self.gate, SoftmaxTopKRouter):
+                nn.init.normal_(self.gate.weight, std=self.hidden_size ** -0.5)
             expert_seed = int(torch.randint(0, 2**62, ()).item())
             if not self.is_owner:
                 return
@@ -126,13 +133,8 @@ class KTMoE(nn.Module):
         lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
         return (self.gate_proj, self.up_proj, self.down_proj) + lora
 
-    def route(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        """Router: softmax over experts in fp32, top-k, optionally renormalised."""
-        probs = F.softmax(self.gate(x).float(), dim=-1)
-        weights, ids = torch.topk(probs, self.top_k, dim=-1)
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights, ids
+    def _on_meta_device(self) -> bool:
+        return any(p.device.type == "meta" for p in self.parameters())
 
     def _experts(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """kt.moe where the experts live (the owner's CPU); x, ids, weights may be anywhere."""
@@ -147,9 +149,15 @@ class KTMoE(nn.Module):
     def forward(self, hidden_states: Tensor) -> Tensor:
         shape = hidden_states.shape
         x = hidden_states.reshape(-1, self.hidden_size)
-        weights, ids = self.route(x)
+        weights, ids = self.gate(x)
+        return self.routed_experts(x, ids, weights).reshape(shape)
+
+    def routed_experts(self, x: Tensor, topk_ids: Tensor, topk_weights: Tensor) -> Tensor:
+        """The experts part alone, for routing computed elsewhere: x [T, H], topk_ids and
+        topk_weights [T, K] on this rank -> [T, H] (gathered to the owner and back)."""
+        ids, weights = topk_ids, topk_weights
         if self.world_size == 1:
-            return self._experts(x, ids, weights).reshape(shape)
+            return self._experts(x, ids, weights)
 
         args = (self.rank, self.world_size, self.owner_rank, self.layer_id, self._group_name())
         (x_all, ids_all, weights_all), lengths = torch.ops.kt.gather_to_owner([x, ids, weights], *args)
@@ -163,7 +171,25 @@ class KTMoE(nn.Module):
         else:
             out_all = x_all  # [0, H]: nothing to compute, but keeps the collectives chained
         (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
-        return out.reshape(shape)
+        return out
+
+
+class SoftmaxTopKRouter(nn.Module):
+    """Softmax over experts (in fp32), top-k, optionally renormalised (Qwen3-MoE's router).
+    ``forward(x [T, H]) -> (topk_weights [T, K] fp32, topk_ids [T, K] int64)``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool = True,
+                 dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=dtype))
+
+    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        probs = F.softmax(F.linear(x, self.weight).float(), dim=-1)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights, ids
 
 
 def _building_on_meta() -> bool:

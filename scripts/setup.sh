@@ -7,6 +7,7 @@ cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check \
-    torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel
+    torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel \
+    transformers==5.23.0 peft==0.21.2 safetensors==0.8.0 matplotlib==3.11.2
 MAX_JOBS="${MAX_JOBS:-2}" .venv/bin/python -m pip install -q --disable-pip-version-check \
     --no-build-isolation -e .

@@ -1,0 +1,116 @@
+"""Failures in a distributed KT job raise on every rank instead of hanging (eager, gloo).
+
+* The owner fails inside kt.moe's forward / backward (kt_ops.faults.inject_failure on the
+  owner only): every rank raises a RuntimeError carrying the owner's message, and later kt
+  calls on the group raise at once (the group is poisoned).
+* Ranks out of step (layers called in a different order, so their layer ids differ; one
+  rank scatters while the other gathers; different row widths): every rank raises a
+  RuntimeError with the "out of step" description of what differs.
+
+Each run is bounded by the harness timeout (a hang fails the test); the time from the
+failing call to the exception on each rank is printed, not asserted.
+"""
+import time
+
+import pytest
+import torch
+
+from distributed_harness import check_all_ok, run_ranks
+
+H, I, E, K = 8, 6, 4, 2
+
+
+def _outcome(fn):
+    """Runs fn; returns what it raised (type, message, isinstance RuntimeError) and how long it took."""
+    start = time.monotonic()
+    try:
+        fn()
+    except Exception as error:  # noqa: BLE001
+        return dict(raised=True, runtime_error=isinstance(error, RuntimeError), type=type(error).__name__,
+                    message=str(error), seconds=time.monotonic() - start)
+    return dict(raised=False, seconds=time.monotonic() - start)
+
+
+def _owner_failure_worker(rank, world_size, where, owner_rank, message):
+    from kt_ops import faults
+    from kt_ops.layer import KTMoE
+
+    torch.manual_seed(0)
+    layer = KTMoE(H, I, E, K, lora_rank=2, owner_rank=owner_rank, dtype=torch.float32)
+    x = torch.randn(3 + rank, H, requires_grad=True)
+    if rank == owner_rank:
+        faults.inject_failure(where, message)
+
+    def step():
+        layer(x).sum().backward()
+
+    first = _outcome(step)
+    again = _outcome(step)  # the group is poisoned now: raises at once, no collective started
+    return dict(first=first, again=again)
+
+
+def _report(what, results, key="first"):
+    print(f"\n{what}: " + ", ".join(f"rank {r} raised {res[key]['type']} after {res[key]['seconds']:.3f} s"
+                                     for r, res in enumerate(results)))
+
+
+@pytest.mark.parametrize("where,world_size,owner_rank", [("moe_forward", 2, 0), ("moe_backward", 3, 1)])
+def test_owner_failure_raises_on_every_rank(where, world_size, owner_rank):
+    """The owner's kt.moe fails (forward on 2 ranks, backward on 3 ranks with owner 1): every
+    rank raises a RuntimeError that carries the owner's message; a second step raises too."""
+    message = f"simulated {where} failure 1234"
+    results = check_all_ok(run_ranks(_owner_failure_worker, world_size, where, owner_rank, message,
+                                     timeout_s=90, pg_timeout_s=60))
+    _report(f"owner failure in {where} ({world_size} ranks)", results)
+    for rank, res in enumerate(results):
+        for key in ("first", "again"):
+            got = res[key]
+            assert got["raised"] and got["runtime_error"], f"rank {rank} ({key} step): {got}"
+            assert message in got["message"], f"rank {rank} ({key} step): {got['message']}"
+        if rank != owner_rank:
+            assert f"rank {owner_rank} failed" in res["first"]["message"], res["first"]["message"]
+
+
+# ---- ranks out of step ------------------------------------------------------------------------
+
+def _mismatch_worker(rank, world_size, case):
+    import torch.distributed as dist
+
+    import kt_ops
+    from kt_ops.layer import KTMoE
+
+    group = dist.new_group(backend="gloo")  # a fresh group (and fault channel) for this case
+    torch.manual_seed(0)
+    if case == "layer_order":
+        first = KTMoE(H, I, E, K, process_group=group, dtype=torch.float32)
+        second = KTMoE(H, I, E, K, process_group=group, dtype=torch.float32)
+        layer = first if rank == 0 else second  # each rank calls a different layer
+        call = lambda: layer(torch.randn(4, H))  # noqa: E731
+    elif case == "scatter_vs_gather":
+        if rank == 0:
+            call = lambda: kt_ops.scatter_from_owner([torch.randn(5, 4)], torch.tensor([2, 3]), 2,  # noqa: E731
+                                                     group=group)
+        else:
+            call = lambda: kt_ops.gather_to_owner([torch.randn(3, 4)], group=group)  # noqa: E731
+    elif case == "row_width":
+        call = lambda: kt_ops.gather_to_owner([torch.randn(3, 4 + rank)], group=group)  # noqa: E731
+    else:
+        raise ValueError(case)
+    return _outcome(call)
+
+
+MISMATCHES = {"layer_order": "tag", "scatter_vs_gather": "op", "row_width": "row width"}
+
+
+@pytest.mark.parametrize("case", list(MISMATCHES))
+def test_out_of_step_raises_on_every_rank(case):
+    """Ranks make different kt calls: every rank raises a RuntimeError saying the ranks are out
+    of step, which field differs, and what each rank called."""
+    results = check_all_ok(run_ranks(_mismatch_worker, 2, case, timeout_s=90, pg_timeout_s=60))
+    print(f"\nout of step ({case}): " + ", ".join(
+        f"rank {r} raised {res.get('type')} after {res['seconds']:.3f} s" for r, res in enumerate(results)))
+    for rank, res in enumerate(results):
+        assert res["raised"] and res["runtime_error"], f"rank {rank}: {res}"
+        assert "out of step" in res["message"], res["message"]
+        assert f"their {MISMATCHES[case]} differs" in res["message"], res["message"]
+        assert "rank 0: kt." in res["message"] and "rank 1: kt." in res["message"], res["message"]
