@@ -19,8 +19,9 @@ setup(
     name="kt_ops",
     version="0.1.0",
     description="torch.library custom ops for MoE fine-tuning with CPU-resident experts",
+    # kt_ops/meta_kernels is a link to meta_kernels/ (the product layout keeps shape functions
+    # there), so the fakes import as kt_ops.meta_kernels from a source tree and an install alike.
     packages=["kt_ops", "kt_ops.meta_kernels"],
-    package_dir={"kt_ops.meta_kernels": "meta_kernels"},
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     ext_modules=[

@@ -133,6 +133,23 @@ class KTMoE(nn.Module):
         lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
         return (self.gate_proj, self.up_proj, self.down_proj) + lora
 
+    def _apply(self, fn, recurse=True):
+        """``.to()`` / ``.cuda()`` / ``.bfloat16()`` move the router, never the experts: they
+        stay in CPU memory (a dtype change still applies to them). The target dtype is read
+        off an empty probe tensor, so no expert-sized copy is ever made on the device."""
+        experts = dict(self._parameters)
+        self._parameters.clear()
+        try:
+            super()._apply(fn, recurse)
+        finally:
+            for name, param in experts.items():
+                if param is not None and param.device.type != "meta":
+                    target = fn(torch.empty(0, dtype=param.dtype))
+                    if target.dtype != param.dtype and target.dtype.is_floating_point:
+                        param.data = param.data.to(target.dtype)
+                self._parameters[name] = param
+        return self
+
     def _on_meta_device(self) -> bool:
         return any(p.device.type == "meta" for p in self.parameters())
 
