@@ -217,9 +217,18 @@ def _spread(values, wanted):
 
 def _save_list_op(ctx, tensors, outputs, comm_args, lengths):
     ctx.comm_args = comm_args
-    ctx.local_rows = tensors[0].shape[0]
+    ctx.input_rows = tensors[0].shape[0]
     ctx.wanted = _differentiable(tensors)
     ctx.save_for_backward(lengths, *outputs)
+
+
+def _adjoint(ctx, grads, adjoint_op):
+    """Gradients of a list op's inputs: its adjoint op applied to the outputs' gradients."""
+    lengths, *outputs = ctx.saved_tensors
+    if not any(ctx.wanted):
+        return None
+    g = adjoint_op(_grads_or_zeros(grads, outputs, ctx.wanted), lengths, ctx.input_rows, *ctx.comm_args)
+    return _spread(g, ctx.wanted)
 
 
 def _gather_setup(ctx, inputs, output):
@@ -227,47 +236,26 @@ def _gather_setup(ctx, inputs, output):
     _save_list_op(ctx, tensors, output[0], comm_args, output[1])
 
 
-def _gather_backward(ctx, grads, _grad_lengths):
-    lengths, *outputs = ctx.saved_tensors
-    if not any(ctx.wanted):
-        return None, None, None, None, None, None
-    g = torch.ops.kt.scatter_from_owner(_grads_or_zeros(grads, outputs, ctx.wanted), lengths,
-                                        ctx.local_rows, *ctx.comm_args)
-    return _spread(g, ctx.wanted), None, None, None, None, None
-
-
-def _scatter_setup(ctx, inputs, output):
-    tensors, lengths, _local_rows, *comm_args = inputs
+def _sized_setup(ctx, inputs, output):  # scatter_from_owner and gather_to_owner_sized
+    tensors, lengths, _rows, *comm_args = inputs
     _save_list_op(ctx, tensors, output, comm_args, lengths)
+
+
+def _gather_backward(ctx, grads, _grad_lengths):
+    return (_adjoint(ctx, grads, torch.ops.kt.scatter_from_owner),) + (None,) * 5
 
 
 def _scatter_backward(ctx, grads):
-    lengths, *outputs = ctx.saved_tensors
-    if not any(ctx.wanted):
-        return (None,) * 8
-    g = torch.ops.kt.gather_to_owner_sized(_grads_or_zeros(grads, outputs, ctx.wanted), lengths,
-                                           ctx.local_rows, *ctx.comm_args)
-    return (_spread(g, ctx.wanted),) + (None,) * 7
-
-
-def _gather_sized_setup(ctx, inputs, output):
-    tensors, lengths, _total_rows, *comm_args = inputs
-    _save_list_op(ctx, tensors, output, comm_args, lengths)
+    return (_adjoint(ctx, grads, torch.ops.kt.gather_to_owner_sized),) + (None,) * 7
 
 
 def _gather_sized_backward(ctx, grads):
-    lengths, *outputs = ctx.saved_tensors
-    if not any(ctx.wanted):
-        return (None,) * 8
-    g = torch.ops.kt.scatter_from_owner(_grads_or_zeros(grads, outputs, ctx.wanted), lengths,
-                                        ctx.local_rows, *ctx.comm_args)
-    return (_spread(g, ctx.wanted),) + (None,) * 7
+    return (_adjoint(ctx, grads, torch.ops.kt.scatter_from_owner),) + (None,) * 7
 
 
 torch.library.register_autograd("kt::gather_to_owner", _gather_backward, setup_context=_gather_setup)
-torch.library.register_autograd("kt::scatter_from_owner", _scatter_backward, setup_context=_scatter_setup)
-torch.library.register_autograd("kt::gather_to_owner_sized", _gather_sized_backward,
-                                setup_context=_gather_sized_setup)
+torch.library.register_autograd("kt::scatter_from_owner", _scatter_backward, setup_context=_sized_setup)
+torch.library.register_autograd("kt::gather_to_owner_sized", _gather_sized_backward, setup_context=_sized_setup)
 
 
 # ---- Python API ---------------------------------------------------------------------------
