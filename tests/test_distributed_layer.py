@@ -133,8 +133,9 @@ def _run_and_check(world_size, mode, owner_rank, seq_lens, backend, monkeypatch,
 @pytest.mark.parametrize("mode", ["full", "lora", "hybrid"])
 def test_eager_two_ranks(mode, monkeypatch):
     """Eager, 2 ranks, owner 0, in each training mode: outputs and the gradients of hidden
-    states, router and experts equal the reference; a rank with 0 tokens (also the owner)."""
-    _run_and_check(2, mode, 0, [[5, 3], [0, 4], [7, 0]], None, monkeypatch)
+    states, router and experts equal the reference; a rank with 0 tokens (also the owner, and
+    both ranks at once)."""
+    _run_and_check(2, mode, 0, [[5, 3], [0, 4], [7, 0], [0, 0]], None, monkeypatch)
 
 
 def test_eager_three_ranks_owner_one(monkeypatch):
