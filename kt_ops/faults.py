@@ -53,7 +53,12 @@ class _Channel:
         """Message of the first rank (by rank order) that reported, or None."""
         if self.failure is not None:
             return self.failure
-        if self.store.add(self.key("count"), 0) == 0:
+        try:
+            reported = self.store.add(self.key("count"), 0)
+        except Exception as error:  # the store's host (usually rank 0) is gone
+            self.failure = f"the job's store is unreachable, a rank probably died ({error})"
+            return self.failure
+        if reported == 0:
             return None
         messages = []
         for r in range(self.world_size):

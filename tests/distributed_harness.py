@@ -29,7 +29,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, queue, pg_timeout_s, dump_after_s):
+def _worker(rank, world_size, port, fn, args, queue, release, pg_timeout_s, dump_after_s):
     import faulthandler
     import sys
 
@@ -55,6 +55,10 @@ def _worker(rank, world_size, port, fn, args, queue, pg_timeout_s, dump_after_s)
     finally:
         queue.close()
         queue.join_thread()  # flush the result before exiting
+        # Stay until every rank has reported: rank 0 hosts the c10d store that the others
+        # may still be polling for failures.
+        faulthandler.cancel_dump_traceback_later()
+        release.wait(timeout=dump_after_s)
         # A rank whose peer failed may still have pending work: do not wait for it.
         os._exit(0)
 
@@ -65,8 +69,9 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, pg_timeout_s
     ranks that did not finish within ``timeout_s``."""
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
+    release = ctx.Event()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, pg_timeout_s, max(timeout_s - 3, 1)), daemon=True)
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue, release, pg_timeout_s, max(timeout_s - 3, 1)), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -96,7 +101,9 @@ def run_ranks(fn, world_size: int, *args, timeout_s: float = 120.0, pg_timeout_s
                 value = torch.load(io.BytesIO(value), weights_only=False)
             results[rank] = value
     finally:
+        release.set()
         for p in procs:
+            p.join(timeout=5)
             if p.is_alive():
                 p.kill()
             p.join(timeout=5)
