@@ -16,5 +16,7 @@ from kt_ops.checkpoint import checkpoint, checkpoint_context_fn
 from kt_ops.collectives import gather_to_owner, scatter_from_owner
 from kt_ops.layer import KTMoE
 from kt_ops.moe import moe
+from kt_ops.hf import load_adapter, patch_model, save_adapter  # transformers/peft imported lazily
 
-__all__ = ["moe", "KTMoE", "gather_to_owner", "scatter_from_owner", "checkpoint", "checkpoint_context_fn"]
+__all__ = ["moe", "KTMoE", "gather_to_owner", "scatter_from_owner", "checkpoint", "checkpoint_context_fn",
+           "patch_model", "save_adapter", "load_adapter"]

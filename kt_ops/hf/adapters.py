@@ -1,0 +1,324 @@
+"""Expert LoRA of patched models in PEFT's adapter format.
+
+How PEFT 0.21 puts LoRA on transformers-5 fused experts
+(``LoraConfig(target_modules=[], target_parameters=["experts.gate_up_proj", "experts.down_proj"])``):
+each targeted 3-D parameter ``W [E, out, in]`` gets a ``ParamWrapper`` whose LoRA is stored as
+two ``nn.Linear`` weights covering all experts,
+
+- ``lora_A.weight [r·E, in]``: rows grouped by expert, ``A[e] = lora_A.reshape(E, r, in)[e]``;
+- ``lora_B.weight [out, r·E]``: columns interleaved with the expert index fastest,
+  ``B[e] = lora_B.reshape(out, r, E)[:, :, e]``;
+
+and the forward uses ``W[e] + s·B[e]·A[e]`` (``s = lora_alpha / r``, or ``/ sqrt(r)`` with
+rsLoRA). For ``gate_up_proj [E, 2I, H]`` that is ONE rank-r LoRA on the fused matrix: ``A[e]``
+``[r, H]`` is shared by the gate and up halves and ``B[e] [2I, r]`` splits into the gate rows
+``[:I]`` and up rows ``[I:]``. kt_ops represents exactly that: ``gate_lora_a`` and
+``up_lora_a`` are one tied parameter, ``gate_lora_b = B[:, :I]``, ``up_lora_b = B[:, I:]``.
+
+Wrappers on one module nest in parameter registration order: ``gate_up_proj`` (registered
+first) is the inner wrapper, so its keys are ``<block>.experts.base_layer.lora_{A,B}.weight``,
+and ``down_proj``'s are ``<block>.experts.lora_{A,B}.weight``; saved keys carry the prefix
+``base_model.model.`` and no adapter name. (When loading, each pair is identified by its
+shapes, so either nesting order loads.)
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import warnings
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from kt_ops.hf.patch import KTSparseMoeBlock, patched_blocks
+
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
+ADAPTER_CONFIG = "adapter_config.json"
+TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
+_PREFIX = "base_model.model."
+# relative to a block: PEFT's keys for the inner (gate_up_proj) and outer (down_proj) wrapper
+_GATE_UP_KEYS = ("experts.base_layer.lora_A.weight", "experts.base_layer.lora_B.weight")
+_DOWN_KEYS = ("experts.lora_A.weight", "experts.lora_B.weight")
+_KEY_RE = re.compile(r"^experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
+
+
+def _blocks(model: nn.Module, who: str) -> list[tuple[str, KTSparseMoeBlock]]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
+    blocks = patched_blocks(model)
+    if not blocks:
+        raise ValueError(f"{who}: model has no kt_ops-patched MoE block; call kt_ops.patch_model(model, ...) first")
+    return blocks
+
+
+# ---------------------------------------------------------------------------------------------
+# Layout conversions (pure functions on tensors)
+
+
+def peft_factors_to_kt(lora_a: Tensor, lora_b: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """PEFT ParamWrapper LoRA -> stacked per-expert factors.
+
+    ``lora_a [r·E, in]``, ``lora_b [out, r·E]`` -> ``(A [E, r, in], B [E, out, r])``."""
+    E = num_experts
+    A = lora_a.reshape(E, -1, lora_a.shape[-1])
+    B = lora_b.reshape(lora_b.shape[0], -1, E).permute(2, 0, 1)
+    return A, B
+
+
+def kt_factors_to_peft(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
+    """Inverse of :func:`peft_factors_to_kt`: ``A [E, r, in]``, ``B [E, out, r]`` ->
+    ``(lora_A.weight [r·E, in], lora_B.weight [out, r·E])``."""
+    E, r, fan_in = A.shape
+    return A.reshape(E * r, fan_in), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
+
+
+def kt_block_to_peft(block: KTSparseMoeBlock) -> dict[str, Tensor]:
+    """The expert LoRA of one patched block in PEFT's layout, keys relative to the block
+    (``experts.base_layer.lora_A.weight`` ...: see the module docstring)."""
+    kt = block.experts
+    if kt.gate_lora_a is not kt.up_lora_a and not torch.equal(kt.gate_lora_a, kt.up_lora_a):
+        raise ValueError("save_adapter: gate_lora_a and up_lora_a differ; PEFT's LoRA on the fused "
+                         "experts.gate_up_proj has one A shared by gate and up (patch_model ties them)")
+    a, b = kt_factors_to_peft(kt.gate_lora_a, torch.cat([kt.gate_lora_b, kt.up_lora_b], dim=1))
+    a_d, b_d = kt_factors_to_peft(kt.down_lora_a, kt.down_lora_b)
+    out = {_GATE_UP_KEYS[0]: a, _GATE_UP_KEYS[1]: b, _DOWN_KEYS[0]: a_d, _DOWN_KEYS[1]: b_d}
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
+def peft_block_to_kt(tensors: dict[str, Tensor], block: KTSparseMoeBlock, r: int,
+                     who: str = "load_adapter") -> dict[str, Tensor]:
+    """PEFT expert LoRA of one block -> KTMoE tensors.
+
+    ``tensors``: PEFT keys relative to the block (``experts[.base_layer]*.lora_{A,B}.weight``).
+    Returns ``{kt name: tensor}`` for ``gate_lora_a`` (= ``up_lora_a``, tied), ``gate_lora_b``,
+    ``up_lora_b`` (``[E, I, r]``), ``down_lora_a [E, r, I]``, ``down_lora_b [E, H, r]`` for the
+    projections present. Each A/B pair is identified by its shapes (gate_up: ``[r·E, H]`` /
+    ``[2I, r·E]``; down: ``[r·E, I]`` / ``[H, r·E]``)."""
+    kt = block.experts
+    E, I, H = kt.num_experts, kt.intermediate_size, kt.hidden_size
+    pairs: dict[str, dict[str, Tensor]] = {}
+    for key, value in tensors.items():
+        m = _KEY_RE.match(key)
+        if m is None:
+            raise ValueError(f"{who}: unexpected adapter key {key!r} for a patched MoE block")
+        pairs.setdefault(m.group(1), {})[m.group(2)] = value
+    out: dict[str, Tensor] = {}
+    for nesting, pair in pairs.items():
+        if set(pair) != {"A", "B"}:
+            raise ValueError(f"{who}: adapter has lora_{''.join(pair)} without its partner at experts.{nesting}")
+        a, b = pair["A"], pair["B"]
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r * E or b.shape[1] != r * E:
+            raise ValueError(f"{who}: experts.{nesting}lora_A/B have shapes {tuple(a.shape)} / {tuple(b.shape)}; "
+                             f"expected [r·E, in] / [out, r·E] with r={r}, E={E}")
+        A, B = peft_factors_to_kt(a, b, E)
+        if a.shape[1] == H and b.shape[0] == 2 * I:
+            if "gate_lora_a" in out:
+                raise ValueError(f"{who}: two LoRAs for experts.gate_up_proj")
+            out["gate_lora_a"], out["gate_lora_b"], out["up_lora_b"] = A, B[:, :I], B[:, I:]
+        elif a.shape[1] == I and b.shape[0] == H:
+            if "down_lora_a" in out:
+                raise ValueError(f"{who}: two LoRAs for experts.down_proj")
+            out["down_lora_a"], out["down_lora_b"] = A, B
+        else:
+            raise ValueError(f"{who}: experts.{nesting}lora_A/B of shapes {tuple(a.shape)} / {tuple(b.shape)} "
+                             f"fit neither gate_up_proj (in={H}, out={2 * I}) nor down_proj (in={I}, out={H})")
+    return out
+
+
+def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+    """The expert LoRA of a patched model as the state dict PEFT saves
+    (``base_model.model.<block>.experts[.base_layer].lora_{A,B}.weight``, CPU tensors)."""
+    blocks = _blocks(model, "save_adapter")
+    state: dict[str, Tensor] = {}
+    for name, block in blocks:
+        for key, value in kt_block_to_peft(block).items():
+            state[f"{_PREFIX}{name}.{key}"] = value
+    return state
+
+
+def load_adapter_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, r: int, scaling: float,
+                            lora_alpha: Optional[float] = None, who: str = "load_adapter") -> nn.Module:
+    """Copy a PEFT expert-LoRA state dict (keys as PEFT saves them, with or without the
+    ``base_model.model.`` prefix) into a patched model and set its LoRA scale to ``scaling``.
+
+    Projections (or blocks) the adapter does not cover get ``B = 0`` (no LoRA effect), as in
+    the PEFT model. Keys that belong to no patched MoE block raise ValueError."""
+    blocks = _blocks(model, who)
+    kt0 = blocks[0][1].experts
+    if kt0.lora_rank != r:
+        raise ValueError(f"{who}: the adapter has rank r={r} but the model was patched with "
+                         f"lora_rank={kt0.lora_rank}; patch with kt_ops.patch_model(model, lora_rank={r}, ...)")
+    remaining = {(k[len(_PREFIX):] if k.startswith(_PREFIX) else k): v for k, v in state_dict.items()}
+    per_block = []
+    for name, block in blocks:
+        prefix = f"{name}."
+        mine = {k[len(prefix):]: remaining.pop(k) for k in [k for k in remaining if k.startswith(prefix)]}
+        per_block.append((block, mine))
+    if remaining:
+        extra = sorted(remaining)
+        raise ValueError(f"{who}: the adapter holds {len(extra)} tensor(s) outside the patched experts "
+                         f"(kt_ops loads expert LoRA only), e.g. {extra[:4]}")
+    converted = [(block, peft_block_to_kt(mine, block, r, who)) for block, mine in per_block]  # check all first
+    for block, tensors in converted:
+        kt = block.experts
+        kt.lora_scale = float(scaling)
+        if lora_alpha is not None:
+            kt.lora_alpha = float(lora_alpha)
+        if not kt.is_owner:
+            continue
+        with torch.no_grad():
+            for kt_name in ("gate_lora_a", "gate_lora_b", "up_lora_b", "down_lora_a", "down_lora_b"):
+                param = getattr(kt, kt_name)
+                if kt_name in tensors:
+                    param.copy_(tensors[kt_name])
+                elif kt_name.endswith("_b"):
+                    param.zero_()  # projection without LoRA in the adapter
+            if kt.up_lora_a is not kt.gate_lora_a:
+                kt.up_lora_a.copy_(kt.gate_lora_a)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Public API
+
+
+def save_adapter(model: nn.Module, output_dir: str) -> None:
+    """Write the expert LoRA of a patched model in PEFT's adapter format.
+
+    Writes ``output_dir/adapter_model.safetensors`` (PEFT keys
+    ``base_model.model.<block>.experts.base_layer.lora_A.weight [r·E, H]`` and
+    ``...lora_B.weight [2I, r·E]`` for ``gate_up_proj``, ``...experts.lora_A.weight [r·E, I]``
+    and ``...lora_B.weight [H, r·E]`` for ``down_proj``) and ``output_dir/adapter_config.json``
+    (``LoraConfig(r, lora_alpha, target_modules=[], target_parameters=["experts.gate_up_proj",
+    "experts.down_proj"])``), so that ``PeftModel.from_pretrained(unpatched_model, output_dir)``
+    gives the patched model's logits.
+
+    Only the owner rank holds the expert LoRA: call this on the owner rank. Trainable expert
+    base weights (``train_base=True``) are not part of an adapter and are not saved (a
+    warning says so).
+
+    Raises:
+        ValueError: ``model`` is not patched, has no LoRA (``lora_rank=0``), or this is not the
+            owner rank; ``output_dir`` exists and is not a directory.
+    """
+    blocks = _blocks(model, "save_adapter")
+    kt0 = blocks[0][1].experts
+    if not kt0.lora_rank:
+        raise ValueError("save_adapter: the model was patched with lora_rank=0: there is no adapter to save")
+    if not kt0.is_owner:
+        raise ValueError(f"save_adapter: only the owner rank (owner_rank={kt0.owner_rank}) holds the expert "
+                         f"LoRA; this is rank {kt0.rank}: call save_adapter on the owner rank")
+    r = kt0.lora_rank
+    scales = {(b.experts.lora_rank, b.experts.lora_scale) for _, b in blocks}
+    if len(scales) != 1:
+        raise ValueError(f"save_adapter: the patched blocks have different LoRA (rank, scale) pairs {sorted(scales)}")
+    if any(p.requires_grad for _, b in blocks for p in (b.experts.gate_proj, b.experts.up_proj, b.experts.down_proj)):
+        warnings.warn("save_adapter: the expert base weights are trainable (train_base=True) but an adapter holds "
+                      "only the LoRA: the base weights are not saved", stacklevel=2)
+    alpha = kt0.lora_alpha if math.isclose(kt0.lora_scale, kt0.lora_alpha / r, rel_tol=1e-12) else kt0.lora_scale * r
+    if float(alpha).is_integer():
+        alpha = int(alpha)
+    if os.path.exists(output_dir) and not os.path.isdir(output_dir):
+        raise ValueError(f"save_adapter: output_dir {output_dir!r} exists and is not a directory")
+    os.makedirs(output_dir, exist_ok=True)
+
+    from safetensors.torch import save_file
+    save_file(adapter_state_dict(model), os.path.join(output_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    with open(os.path.join(output_dir, ADAPTER_CONFIG), "w") as f:
+        json.dump(_adapter_config(model, r, alpha), f, indent=2, sort_keys=True)
+
+
+def _adapter_config(model: nn.Module, r: int, alpha: float) -> dict:
+    name_or_path = getattr(getattr(model, "config", None), "_name_or_path", None) or None
+    task_type = "CAUSAL_LM" if type(model).__name__.endswith("ForCausalLM") else None
+    fields = dict(r=r, lora_alpha=alpha, target_modules=[], target_parameters=list(TARGET_PARAMETERS),
+                  lora_dropout=0.0, bias="none", task_type=task_type, base_model_name_or_path=name_or_path)
+    try:
+        from peft import LoraConfig
+    except ImportError:  # write the fields that matter; PEFT fills in its defaults on load
+        config = dict(fields, peft_type="LORA", use_rslora=False, use_dora=False, lora_bias=False,
+                      fan_in_fan_out=False, rank_pattern={}, alpha_pattern={}, inference_mode=True)
+    else:
+        config = LoraConfig(**fields).to_dict()
+        config["inference_mode"] = True
+        for k, v in config.items():  # sets -> lists (what PeftConfig.save_pretrained does)
+            if isinstance(v, set):
+                config[k] = sorted(v)
+    if task_type is None:
+        config["auto_mapping"] = {"base_model_class": type(model).__name__, "parent_library": type(model).__module__}
+    return config
+
+
+def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
+    """Load a PEFT expert-LoRA adapter (e.g. one written by :func:`save_adapter`, or by PEFT
+    from ``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`` on
+    the unpatched model) into a patched model, in place.
+
+    Reads ``adapter_dir/adapter_config.json`` and ``adapter_model.safetensors`` (or
+    ``adapter_model.bin``); copies the LoRA into the experts' ``{gate,up,down}_lora_{a,b}``
+    (see :mod:`kt_ops.hf.adapters` for the layout mapping) and sets the LoRA scale to PEFT's
+    (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``). Projections the adapter does
+    not target get ``B = 0``. On non-owner ranks only the configuration is checked and the
+    scale set (they hold no expert weights).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: ``model`` is not patched or its ``lora_rank`` differs from the adapter's
+            ``r``; ``adapter_dir`` is not a LoRA adapter, uses what kt_ops cannot represent
+            (DoRA, LoRA bias, rank/alpha patterns, target_modules), or holds tensors outside
+            the experts.
+    """
+    blocks = _blocks(model, "load_adapter")
+    config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    if not os.path.isfile(config_path):
+        raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
+    with open(config_path) as f:
+        config = json.load(f)
+    r, alpha, scaling = _check_config(config, adapter_dir)
+    kt0 = blocks[0][1].experts
+    if not kt0.is_owner:
+        return load_adapter_state_dict(model, {}, r=r, scaling=scaling, lora_alpha=alpha)
+    st_path, bin_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS), os.path.join(adapter_dir, ADAPTER_WEIGHTS_BIN)
+    if os.path.isfile(st_path):
+        from safetensors.torch import load_file
+        state = load_file(st_path)
+    elif os.path.isfile(bin_path):
+        state = torch.load(bin_path, map_location="cpu", weights_only=True)
+    else:
+        raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} has neither {ADAPTER_WEIGHTS} "
+                         f"nor {ADAPTER_WEIGHTS_BIN}")
+    return load_adapter_state_dict(model, state, r=r, scaling=scaling, lora_alpha=alpha)
+
+
+def _check_config(config: dict, adapter_dir: str) -> tuple[int, float, float]:
+    where = f"load_adapter: adapter_dir {adapter_dir!r}"
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where} holds a {config.get('peft_type')} adapter; kt_ops loads LoRA adapters")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{where}: adapter_config.json needs an int r >= 1 and a number lora_alpha, "
+                         f"got r={r!r}, lora_alpha={alpha!r}")
+    for key in ("use_dora", "lora_bias"):
+        if config.get(key):
+            raise ValueError(f"{where}: {key}=true is not supported by kt_ops' expert LoRA")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(f"{where}: {key}={config[key]!r} is not supported (kt_ops uses one rank and alpha "
+                             f"for every expert adapter)")
+    modules = config.get("target_modules")
+    if modules:
+        raise ValueError(f"{where}: target_modules={modules!r}: kt_ops loads expert LoRA only "
+                         f"(target_parameters {list(TARGET_PARAMETERS)})")
+    params = config.get("target_parameters") or []
+    unknown = [p for p in params if not (p.endswith("gate_up_proj") or p.endswith("down_proj"))]
+    if unknown or not params:
+        raise ValueError(f"{where}: target_parameters={params!r}; kt_ops loads LoRA on "
+                         f"{list(TARGET_PARAMETERS)} only")
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return r, float(alpha), float(scaling)
