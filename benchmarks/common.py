@@ -1,0 +1,134 @@
+"""Helpers shared by the benchmarks (``bench_moe.py``, ``suite.py``).
+
+The problem generator, FLOP count, error metric, step container and table rendering live here
+so that both scripts measure and report the same way.
+"""
+import os
+import platform
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
+          "fp32": torch.float32, "float32": torch.float32,
+          "fp64": torch.float64, "float64": torch.float64}
+BASE = ("gate_proj", "up_proj", "down_proj")
+LORA = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def load_average() -> Optional[float]:
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def make_problem(args) -> Dict[str, torch.Tensor]:
+    """Stacked weights, hidden states, routing and upstream gradient, from a fixed seed.
+
+    Weights are scaled so that activations stay O(1); lora_b is non-zero (PEFT initialises it
+    to zero, which would make the LoRA path invisible to the correctness check) and sized so
+    that the LoRA delta is a modest fraction of the base output.
+    """
+    T, H, I, E, K, r = args.tokens, args.hidden, args.intermediate, args.experts, args.topk, args.rank
+    dt = args.torch_dtype
+    g = torch.Generator().manual_seed(args.seed)
+
+    def randn(*shape, std):
+        return torch.randn(*shape, generator=g, dtype=dt).mul_(std)
+
+    t = {
+        "gate_proj": randn(E, I, H, std=H ** -0.5),
+        "up_proj": randn(E, I, H, std=H ** -0.5),
+        "down_proj": randn(E, H, I, std=I ** -0.5),
+        "gate_lora_a": randn(E, r, H, std=H ** -0.5),
+        "gate_lora_b": randn(E, I, r, std=0.1 * r ** -0.5),
+        "up_lora_a": randn(E, r, H, std=H ** -0.5),
+        "up_lora_b": randn(E, I, r, std=0.1 * r ** -0.5),
+        "down_lora_a": randn(E, r, I, std=I ** -0.5),
+        "down_lora_b": randn(E, H, r, std=0.1 * r ** -0.5),
+        "hidden": randn(T, H, std=1.0),
+        "dy": randn(T, H, std=1.0),
+    }
+    # Router as in Qwen3-MoE: softmax over random logits in fp32, top-k, renormalise
+    # (norm_topk_prob=True), cast to the model dtype. Expert ids int64 as HF produces them.
+    logits = torch.randn(T, E, generator=g, dtype=torch.float32)
+    probs = F.softmax(logits, dim=-1)
+    topw, ids = torch.topk(probs, K, dim=-1)
+    topw = topw / topw.sum(dim=-1, keepdim=True)
+    t["topk_ids"] = ids
+    t["topk_weights"] = topw.to(dt)
+    return t
+
+
+def flops(mode: str, T: int, K: int, H: int, I: int, r: int) -> float:
+    """FLOPs of one step; the formula is documented in this module's docstring."""
+    P = T * K
+    f_base = 6.0 * P * H * I
+    f_lora = 6.0 * P * r * (H + I)
+    if mode == "fwd":
+        return f_base
+    if mode == "fwd_lora":
+        return f_base + f_lora
+    if mode == "lora":
+        return (f_base + f_lora) + (f_base + 2.0 * f_lora)
+    if mode == "full":
+        return f_base + 2.0 * f_base
+    raise ValueError(mode)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    acc = torch.promote_types(a.dtype, torch.float32)  # fp32, or fp64 for fp64 runs
+    a, b = a.detach().to(acc), b.detach().to(acc)
+    den = torch.linalg.vector_norm(b).item()
+    num = torch.linalg.vector_norm(a - b).item()
+    return num / den if den > 0 else num
+
+
+class Impl:
+    """A callable step plus what is needed to read its output and gradients."""
+
+    def __init__(self, name: str, step: Callable[[], torch.Tensor],
+                 reset: Callable[[], None], grads: Callable[[], Dict[str, torch.Tensor]]):
+        self.name, self.step, self.reset, self.grads = name, step, reset, grads
+        self.times: List[float] = []
+        self.cpu: List[float] = []  # process CPU seconds per timed step (all threads)
+
+
+# --------------------------------------------------------------------------------------------
+# tables: ``columns`` is a list of (row key, header); ``right`` the keys to right-align;
+# ``fmt(key, value) -> str`` renders one cell.
+
+
+def text_table(rows: Sequence[dict], columns: Sequence[Tuple[str, str]], right,
+               fmt: Callable[[str, object], str]) -> str:
+    cells = [[fmt(k, r.get(k)) for k, _ in columns] for r in rows]
+    widths = [max(len(h), *(len(c[i]) for c in cells)) for i, (_, h) in enumerate(columns)]
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if k in right else v.ljust(w)
+                         for (k, _), v, w in zip(columns, vals, widths))
+
+    out = [line([h for _, h in columns]), "  ".join("-" * w for w in widths)]
+    out += [line(c) for c in cells]
+    return "\n".join(out)
+
+
+def markdown_table(rows: Sequence[dict], columns: Sequence[Tuple[str, str]], right,
+                   fmt: Callable[[str, object], str]) -> str:
+    head = "| " + " | ".join(h for _, h in columns) + " |"
+    sep = "|" + "|".join("---:" if k in right else "---" for k, _ in columns) + "|"
+    body = ["| " + " | ".join(fmt(k, r.get(k)) for k, _ in columns) + " |" for r in rows]
+    return "\n".join([head, sep, *body])
