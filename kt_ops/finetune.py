@@ -1,0 +1,623 @@
+"""LoRA fine-tuning of a Hugging Face MoE model whose experts run in kt_ops (``kt-finetune``).
+
+    python -m kt_ops.finetune                        # built-in demo: a few minutes on 2 CPU cores
+    python -m kt_ops.finetune --compare-eager        # ... and the same run with HF's experts + PEFT
+    torchrun --nproc-per-node 2 -m kt_ops.finetune   # 2 ranks (gloo); experts live on rank 0
+
+The model's MoE blocks are replaced by KTMoE blocks (``kt_ops.patch_model``) with LoRA on the
+routed experts; everything else is frozen. The training step (forward + loss) runs under
+``torch.compile(fullgraph=True)`` (``--backend``, inductor by default) with activation
+checkpointing under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU experts and the
+collectives run once per step, attention and norms are recomputed; ``--no-checkpointing``).
+
+Without ``--model`` it trains a small Qwen3-MoE-architecture model (random init, built from
+``Qwen3MoeConfig``; see ``DEFAULT_MODEL_CONFIG``) on the public-domain corpus shipped in
+``kt_ops/data/corpus.txt`` with a byte-level tokenizer (``kt_ops.tokenizer``); nothing is
+downloaded. Batches are windows of ``--seq-len + 1`` tokens at random offsets drawn from
+``--seed``: both runs of ``--compare-eager`` and every rank see the same data in the same order.
+
+Outputs (rank 0, in ``--output-dir``): the adapter (``kt_ops.save_adapter``, PEFT format),
+``loss_curve.png`` and ``summary.json`` (losses, step times, tokens/s, settings); with
+``--also-train``, the other trained parameters in ``also_trained.safetensors``.
+
+``--compare-eager`` then trains the same model from the same initialisation on the same batches
+with Hugging Face's own experts (the transformers default experts implementation, or
+``--hf-experts``) and LoRA through PEFT on the unpatched model, without torch.compile (HF's
+experts do not compile with fullgraph=True). The PEFT LoRA is the one ``kt_ops.save_adapter``
+writes and ``kt_ops.load_adapter`` reads: ``LoraConfig(r, lora_alpha, target_parameters=
+["experts.gate_up_proj", "experts.down_proj"])``, one A shared by the fused gate and up halves
+(``kt_ops.patch_model`` ties ``gate_lora_a`` and ``up_lora_a`` to match), started from the
+kt_ops initialisation. The printout gives the speedup (steady-state tokens/s, first step
+excluded) and the per-step difference of the two loss curves.
+
+Multi-process (``WORLD_SIZE > 1``, e.g. torchrun): the process group (gloo) is set up from
+torchrun's environment; ``--batch-size`` is the global batch and each rank trains on its own
+contiguous shard of it. The experts and their LoRA live on rank 0 only (KTMoE gives them the
+DDP average of every rank's gradient); gradients of the other trainable parameters
+(``--also-train``) are all-reduced (averaged) by hand. The printed/recorded loss is the mean over ranks, which equals
+the single-process loss on the same global batch.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import json
+import os
+import re
+import sys
+import time
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+import kt_ops
+from kt_ops.tokenizer import ByteTokenizer
+
+# The built-in demo model: Qwen3-MoE architecture, small enough for a few minutes on 2 cores.
+DEFAULT_MODEL_CONFIG = dict(
+    vocab_size=ByteTokenizer.vocab_size,
+    hidden_size=256,
+    intermediate_size=512,          # dense MLP size (unused: every layer is MoE)
+    moe_intermediate_size=128,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    num_experts=16,
+    num_experts_per_tok=4,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    max_position_embeddings=2048,
+    tie_word_embeddings=False,
+    use_cache=False,
+    bos_token_id=ByteTokenizer.bos_token_id,
+    eos_token_id=ByteTokenizer.eos_token_id,
+    pad_token_id=ByteTokenizer.pad_token_id,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+BACKENDS = ("inductor", "aot_eager", "eager", "none")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="kt-finetune",
+        description="LoRA fine-tuning of a Hugging Face MoE model with kt_ops' CPU experts, under "
+                    "torch.compile with kt_ops' activation-checkpointing policy. Without --model: a "
+                    "small built-in Qwen3-MoE model on a shipped text corpus (a few minutes on 2 cores).",
+        epilog="Several processes: torchrun --nproc-per-node N -m kt_ops.finetune ... (gloo; the "
+               "experts live on rank 0).")
+    p.add_argument("--model", default=None,
+                   help="local model directory for AutoModelForCausalLM.from_pretrained (a hub id "
+                        "only works online); default: the built-in small Qwen3-MoE model")
+    p.add_argument("--model-config", default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
+                   help="overrides of the built-in model's Qwen3MoeConfig, e.g. "
+                        "'num_hidden_layers=2,hidden_size=128' (not with --model)")
+    p.add_argument("--data", default=None, help="a UTF-8 text file; default: kt_ops/data/corpus.txt")
+    p.add_argument("--steps", type=int, default=150, help="optimizer steps (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=8,
+                   help="global batch: sequences per step, split over the ranks (default: %(default)s)")
+    p.add_argument("--lora-rank", type=int, default=8, help="LoRA rank r (default: %(default)s)")
+    p.add_argument("--lora-alpha", type=float, default=16.0,
+                   help="LoRA alpha; scale alpha/r (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=2e-3,
+                   help="AdamW learning rate, no weight decay (default: %(default)s)")
+    p.add_argument("--output-dir", default="./kt_finetune_out",
+                   help="adapter, loss_curve.png, summary.json (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="model init, LoRA init and data order (default: %(default)s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
+                   help="model dtype: experts, LoRA and the rest (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch threads per process; default: torch's (follows OMP_NUM_THREADS)")
+    p.add_argument("--backend", choices=BACKENDS, default="inductor",
+                   help="torch.compile backend of the kt_ops run; 'none': no torch.compile "
+                        "(default: %(default)s)")
+    p.add_argument("--also-train", default=None, metavar="REGEX",
+                   help="also train (in full) the non-expert parameters whose names match REGEX "
+                        "(re.search), e.g. 'norm' or 'mlp\\.gate\\.' (the routers); with several "
+                        "ranks their gradients are all-reduced")
+    p.add_argument("--no-checkpointing", action="store_true", help="no activation checkpointing")
+    p.add_argument("--compare-eager", action="store_true",
+                   help="also train with HF's own experts + PEFT (eager) from the same init on the "
+                        "same data, and compare speed and loss curves (single process only)")
+    p.add_argument("--hf-experts", default=None, metavar="IMPL",
+                   help="experts_implementation of the --compare-eager run (eager, grouped_mm, "
+                        "batched_mm); default: transformers' default")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    args = p.parse_args(argv)
+    for name in ("steps", "seq_len", "batch_size", "lora_rank"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.lr <= 0:
+        p.error(f"--lr must be > 0, got {args.lr}")
+    if args.threads is not None and args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    if args.also_train is not None:
+        try:
+            re.compile(args.also_train)
+        except re.error as e:
+            p.error(f"--also-train: not a regular expression: {e}")
+    if args.model_config is not None:
+        if args.model:
+            p.error("--model-config changes the built-in model; it cannot be combined with --model")
+        try:
+            args.model_config = _parse_overrides(args.model_config)
+        except ValueError as e:
+            p.error(f"--model-config: {e}")
+    return args
+
+
+def _parse_overrides(text: str) -> dict:
+    """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}`` (values parsed as JSON when they parse)."""
+    out = {}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(f"expected KEY=VALUE, got {item!r}")
+        try:
+            out[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            out[key.strip()] = value
+    return out
+
+
+# --------------------------------------------------------------------------- distributed
+
+@dataclasses.dataclass
+class Dist:
+    rank: int = 0
+    world_size: int = 1
+    initialized_here: bool = False
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup_distributed() -> Dist:
+    """Joins torchrun's process group (gloo) when WORLD_SIZE > 1."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size <= 1:
+        return Dist()
+    initialized_here = False
+    if not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
+        initialized_here = True
+    return Dist(dist.get_rank(), dist.get_world_size(), initialized_here)
+
+
+# --------------------------------------------------------------------------- data
+
+def load_tokens(args, model_dir: Optional[str], vocab_size: int) -> tuple[Tensor, dict]:
+    """The training text as one stream of token ids, and a description of the tokenizer."""
+    if args.data:
+        with open(args.data, encoding="utf-8") as f:
+            text = f.read()
+    else:
+        from kt_ops.data import read_corpus
+        text = read_corpus()
+    tokenizer = None
+    # The model's own tokenizer when it has one. (transformers 5 builds an empty tokenizer from
+    # a bare config.json, hence the look for tokenizer files in a local directory.)
+    has_files = not os.path.isdir(model_dir or "") or any(
+        os.path.exists(os.path.join(model_dir, n)) for n in
+        ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json"))
+    if model_dir and has_files:
+        from transformers import AutoTokenizer
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        except (OSError, ValueError, KeyError, TypeError):
+            tokenizer = None
+    if tokenizer is not None:
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if tokenizer.bos_token_id is not None:
+            ids = [tokenizer.bos_token_id] + ids
+        info = {"type": type(tokenizer).__name__, "source": model_dir}
+    else:
+        byte_tok = ByteTokenizer()
+        if vocab_size < byte_tok.vocab_size:
+            raise ValueError(f"the byte-level tokenizer needs a vocabulary of >= {byte_tok.vocab_size} "
+                             f"tokens, the model has {vocab_size}; give a --model directory with a tokenizer")
+        ids = byte_tok.encode(text, add_bos=True)
+        info = {"type": "kt_ops.tokenizer.ByteTokenizer", "vocab_size": byte_tok.vocab_size}
+    return torch.tensor(ids, dtype=torch.long), info
+
+
+def batch_offsets(num_tokens: int, seq_len: int, batch_size: int, steps: int, seed: int) -> Tensor:
+    """``[steps, batch_size]`` start offsets of windows of ``seq_len + 1`` tokens."""
+    span = num_tokens - (seq_len + 1)
+    if span < 0:
+        raise ValueError(f"--seq-len {seq_len} needs at least {seq_len + 1} tokens of text, "
+                         f"the data has {num_tokens}")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, span + 1, (steps, batch_size), generator=g)
+
+
+def make_batch(tokens: Tensor, offsets: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    """(input_ids, labels), each ``[len(offsets), seq_len]``."""
+    windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets.tolist()])
+    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
+
+
+# --------------------------------------------------------------------------- models
+
+def build_base_model(args, experts_implementation: Optional[str] = None) -> nn.Module:
+    """The unpatched Hugging Face model (random init from ``--seed`` without ``--model``)."""
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    dtype = DTYPES[args.dtype]
+    kwargs = {"dtype": dtype}
+    if experts_implementation is not None:
+        kwargs["experts_implementation"] = experts_implementation
+    torch.manual_seed(args.seed)
+    if args.model:
+        model = AutoModelForCausalLM.from_pretrained(args.model, **kwargs)
+    else:
+        config = Qwen3MoeConfig(**{**DEFAULT_MODEL_CONFIG, **(args.model_config or {})})
+        model = AutoModelForCausalLM.from_config(config, **kwargs)
+    model.config.use_cache = False
+    return model
+
+
+def build_kt_model(args, base: Optional[nn.Module] = None) -> nn.Module:
+    """The model with its MoE blocks replaced by KTMoE blocks (LoRA on the experts, experts
+    owned by rank 0); only the expert LoRA trains, plus the parameters ``--also-train`` names.
+    The LoRA initialisation is drawn from ``--seed`` (the same on every rank)."""
+    model = base if base is not None else build_base_model(args)
+    torch.manual_seed(args.seed + 1)
+    model = kt_ops.patch_model(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
+                               train_base=False, owner_rank=0)
+    experts = expert_parameters(model)
+    for name, p in model.named_parameters():
+        if id(p) not in experts:
+            p.requires_grad_(False)
+    also_train(model, args.also_train, exclude=experts)
+    return model
+
+
+def also_train(model: nn.Module, pattern: Optional[str], exclude: set[int] = frozenset()) -> list[str]:
+    """Makes the parameters whose names match ``pattern`` (``re.search``) trainable, except
+    those in ``exclude`` (ids); returns their names. ValueError if nothing matches."""
+    if not pattern:
+        return []
+    names = [n for n, p in model.named_parameters() if id(p) not in exclude and re.search(pattern, n)]
+    if not names:
+        raise ValueError(f"--also-train {pattern!r} matches no parameter outside the experts")
+    params = dict(model.named_parameters())
+    for n in names:
+        params[n].requires_grad_(True)
+    return names
+
+
+def enable_checkpointing(model: nn.Module, context_fn: Optional[Callable]) -> None:
+    """HF activation checkpointing (non-reentrant), with ``context_fn`` if given."""
+    kwargs = {"use_reentrant": False}
+    if context_fn is not None:
+        kwargs["context_fn"] = context_fn
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x name
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    # HF also makes the embedding output require grad (a forward hook calling requires_grad_()),
+    # which only reentrant checkpointing needs and which torch.compile refuses.
+    model.disable_input_require_grads()
+
+
+def expert_parameters(model: nn.Module) -> set[int]:
+    """ids of the parameters that live only on the experts' owner rank (KTMoE's own tensors)."""
+    return {id(p) for m in model.modules() if isinstance(m, kt_ops.KTMoE)
+            for p in m.parameters(recurse=False)}
+
+
+def attach_peft_lora(model: nn.Module, kt_adapter: dict, lora_rank: int, lora_alpha: float) -> nn.Module:
+    """PEFT LoRA on the unpatched model's experts, equal to a kt_ops-patched model's LoRA.
+
+    ``kt_adapter``: ``kt_ops.hf.adapters.adapter_state_dict(kt_model)`` (PEFT's keys). The PEFT
+    config is the one ``kt_ops.save_adapter`` writes: ``target_parameters`` on every experts
+    module's fused ``gate_up_proj`` [E, 2I, H] and ``down_proj`` [E, H, I], rank r, alpha, one
+    A shared by gate and up (kt_ops ties ``gate_lora_a`` and ``up_lora_a`` to match).
+    Returns the PeftModel."""
+    from peft import LoraConfig, get_peft_model, set_peft_model_state_dict
+    from kt_ops.hf.adapters import TARGET_PARAMETERS
+
+    config = LoraConfig(r=lora_rank, lora_alpha=lora_alpha, lora_dropout=0.0, target_modules=[],
+                        target_parameters=list(TARGET_PARAMETERS))
+    peft_model = get_peft_model(model, config)  # freezes everything but the LoRA
+    result = set_peft_model_state_dict(peft_model, kt_adapter)
+    unexpected = getattr(result, "unexpected_keys", None)
+    if unexpected:
+        raise RuntimeError(f"--compare-eager: PEFT did not take the kt_ops LoRA tensors {unexpected[:4]}")
+    loaded = {n for n, _ in peft_model.named_parameters() if "lora_" in n}
+    if len(loaded) != len(kt_adapter):
+        raise RuntimeError(f"--compare-eager: PEFT made {len(loaded)} LoRA tensors, kt_ops has {len(kt_adapter)}")
+    return peft_model
+
+
+# --------------------------------------------------------------------------- training
+
+def make_loss_fn(model: nn.Module, use_embeds: bool) -> Callable:
+    """``loss(x, labels)``: mean next-token cross entropy (fp32). ``x`` is input_ids, or with
+    ``use_embeds`` the input embeddings."""
+    def loss_fn(x: Tensor, labels: Tensor) -> Tensor:
+        if use_embeds:
+            out = model(inputs_embeds=x, use_cache=False)
+        else:
+            out = model(input_ids=x, use_cache=False)
+        logits = out.logits
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
+    return loss_fn
+
+
+@dataclasses.dataclass
+class RunResult:
+    label: str
+    losses: list[float]
+    step_times: list[float]
+    tokens_per_step: int
+    wall_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Steady state: the first step (compilation, warm-up) is left out when there are more."""
+        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
+        return self.tokens_per_step * len(times) / max(sum(times), 1e-12)
+
+    @property
+    def tokens_per_s_median(self) -> float:
+        """From the median step time (first step left out): robust to other processes' bursts."""
+        times = sorted(self.step_times[1:] if len(self.step_times) > 1 else self.step_times)
+        mid = len(times) // 2
+        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
+        return self.tokens_per_step / max(median, 1e-12)
+
+    def to_json(self) -> dict:
+        return {"losses": self.losses, "step_times_s": self.step_times,
+                "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
+                "tokens_per_s_median": self.tokens_per_s_median,
+                "first_step_s": self.step_times[0] if self.step_times else None, "wall_s": self.wall_s}
+
+
+def train(model: nn.Module, loss_fn: Callable, tokens: Tensor, offsets: Tensor, args, ddp: Dist,
+          label: str, use_embeds: bool) -> RunResult:
+    """Runs ``len(offsets)`` optimizer steps; each rank uses its shard of each global batch."""
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    owner_only = expert_parameters(model)
+    replicated = [p for p in trainable if id(p) not in owner_only]  # all-reduced by hand
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0) if trainable else None
+    per_rank = offsets.shape[1] // ddp.world_size
+    tokens_per_step = offsets.shape[1] * args.seq_len
+    embed = model.get_input_embeddings()
+
+    from tqdm.auto import tqdm
+    bar = tqdm(total=len(offsets), desc=label, disable=not ddp.is_main or args.no_progress,
+               dynamic_ncols=True, file=sys.stderr)
+    losses, times = [], []
+    start = time.perf_counter()
+    for step in range(len(offsets)):
+        shard = offsets[step, ddp.rank * per_rank:(ddp.rank + 1) * per_rank]
+        input_ids, labels = make_batch(tokens, shard, args.seq_len)
+        t0 = time.perf_counter()
+        if use_embeds:
+            # A leaf that requires grad: every rank then has a backward through the expert
+            # collectives, also when nothing on that rank trains (see _run).
+            with torch.no_grad():
+                x = embed(input_ids)
+            x.requires_grad_(True)
+        else:
+            x = input_ids
+        loss = loss_fn(x, labels)
+        loss.backward()
+        if ddp.world_size > 1 and replicated:
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat)
+            flat /= ddp.world_size
+            for p, g in zip(replicated, flat.split([q.numel() for q in replicated])):
+                p.grad = g.view_as(p)
+        if optimizer is not None:
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        value = loss.detach().float()
+        if ddp.world_size > 1:
+            dist.all_reduce(value)
+            value /= ddp.world_size
+        times.append(time.perf_counter() - t0)
+        losses.append(float(value))
+        steady = times[1:] if len(times) > 1 else times
+        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step * len(steady) / sum(steady):.0f}")
+        bar.update(1)
+    bar.close()
+    return RunResult(label, losses, times, tokens_per_step, time.perf_counter() - start)
+
+
+def compare(kt: RunResult, eager: RunResult) -> dict:
+    abs_diff = [abs(a - b) for a, b in zip(kt.losses, eager.losses)]
+    rel_diff = [d / max(abs(b), 1e-12) for d, b in zip(abs_diff, eager.losses)]
+    return {"speedup": kt.tokens_per_s / eager.tokens_per_s,
+            "speedup_median": kt.tokens_per_s_median / eager.tokens_per_s_median,
+            "max_abs_diff": max(abs_diff), "max_rel_diff": max(rel_diff),
+            "final_abs_diff": abs_diff[-1],
+            "abs_diff_per_step": abs_diff, "rel_diff_per_step": rel_diff}
+
+
+# --------------------------------------------------------------------------- outputs
+
+def plot_losses(path: str, kt: RunResult, eager: Optional[RunResult], title: str,
+                note: Optional[str] = None) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
+    steps = range(1, len(kt.losses) + 1)
+    ax.plot(steps, kt.losses, label=f"kt_ops ({kt.tokens_per_s:,.0f} tokens/s)", color="tab:blue", lw=1.8)
+    if eager is not None:
+        ax.plot(steps, eager.losses, label=f"{eager.label} ({eager.tokens_per_s:,.0f} tokens/s)",
+                color="tab:orange", lw=1.2, ls="--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (cross entropy)")
+    ax.set_title(title if not note else f"{title}\n{note}", fontsize=9)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def model_summary(model: nn.Module) -> dict:
+    cfg = getattr(model, "config", None)
+    keys = ("model_type", "hidden_size", "num_hidden_layers", "num_experts", "num_local_experts",
+            "n_routed_experts", "num_experts_per_tok", "moe_intermediate_size", "vocab_size")
+    return {k: getattr(cfg, k) for k in keys if cfg is not None and getattr(cfg, k, None) is not None}
+
+
+# --------------------------------------------------------------------------- main
+
+@dataclasses.dataclass
+class FinetuneResult:
+    model: nn.Module          # the trained kt-patched model (uncompiled)
+    kt: RunResult
+    eager: Optional[RunResult]
+    summary: dict
+
+
+def run(argv=None) -> FinetuneResult:
+    """Everything ``main`` does; returns the trained model and the results (for tests)."""
+    args = parse_args(argv)
+    # Denormal floats (e.g. Adam's squared averages of tiny LoRA gradients) make CPU arithmetic
+    # 10-100x slower; flushing them to zero made the demo's steps 2.4x faster (fp32) to 20x
+    # (bf16). Set before the first parallel region, so that OpenMP's threads inherit it.
+    torch.set_flush_denormal(True)
+    ddp = setup_distributed()
+    try:
+        return _run(args, ddp)
+    finally:
+        if ddp.initialized_here:
+            dist.destroy_process_group()
+        torch.set_flush_denormal(False)  # torch's default, for in-process callers (tests)
+
+
+def _run(args, ddp: Dist) -> FinetuneResult:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.batch_size % ddp.world_size:
+        raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of ranks "
+                         f"({ddp.world_size})")
+    if args.compare_eager and ddp.world_size > 1:
+        raise ValueError("--compare-eager runs in a single process only")
+
+    base = build_base_model(args)
+    tokens, tokenizer_info = load_tokens(args, args.model, base.config.vocab_size)
+    offsets = batch_offsets(len(tokens), args.seq_len, args.batch_size, args.steps, args.seed)
+    model = build_kt_model(args, base)
+    init_lora = None
+    if args.compare_eager:  # the kt LoRA initialisation, in PEFT's layout
+        from kt_ops.hf.adapters import adapter_state_dict
+        init_lora = {k: v.clone() for k, v in adapter_state_dict(model).items()}
+    if not args.no_checkpointing:
+        enable_checkpointing(model, kt_ops.checkpoint_context_fn)
+    # With several ranks and a frozen embedding, the ranks that do not own the experts have no
+    # parameter that trains: their loss would not require grad, they would skip backward and
+    # the owner would wait for them in the experts' backward collectives. Feeding the embedding
+    # output as a grad-requiring input keeps every rank's backward (and collectives) in step.
+    embed_w = model.get_input_embeddings().weight
+    use_embeds = ddp.world_size > 1 and not embed_w.requires_grad
+    loss_fn = make_loss_fn(model, use_embeds)
+    if args.backend != "none":
+        loss_fn = torch.compile(loss_fn, backend=args.backend, fullgraph=True)
+
+    kt_result = train(model, loss_fn, tokens, offsets, args, ddp, "kt_ops", use_embeds)
+
+    eager_result, comparison, hf_impl = None, None, None
+    if args.compare_eager:
+        hf_base = build_base_model(args, experts_implementation=args.hf_experts)
+        hf_impl = getattr(hf_base.config, "_experts_implementation", None)
+        hf_model = attach_peft_lora(hf_base, init_lora, args.lora_rank, args.lora_alpha)
+        experts_ids = {id(p) for n, p in hf_model.named_parameters() if ".experts." in n}
+        also_train(hf_model, args.also_train, exclude=experts_ids)  # as on the kt_ops side
+        if not args.no_checkpointing:
+            enable_checkpointing(hf_model.get_base_model(), None)
+        eager_result = train(hf_model, make_loss_fn(hf_model, False), tokens, offsets, args, ddp,
+                             f"HF experts ({hf_impl}) + PEFT, eager", False)
+        comparison = compare(kt_result, eager_result)
+
+    summary = {
+        "settings": vars(args),
+        "world_size": ddp.world_size,
+        "threads_per_process": torch.get_num_threads(),
+        "model": model_summary(model),
+        "tokenizer": tokenizer_info,
+        "data_tokens": len(tokens),
+        "trainable_parameters_rank0": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "also_trained": [n for n, p in model.named_parameters() if p.requires_grad and id(p) not in expert_parameters(model)],
+        "kt_ops": kt_result.to_json(),
+        "eager": None if eager_result is None else dict(eager_result.to_json(), experts_implementation=hf_impl,
+                                                         compiled=False),
+        "comparison": comparison,
+        "versions": {"torch": torch.__version__, **_versions()},
+    }
+    if ddp.is_main:
+        out = args.output_dir
+        os.makedirs(out, exist_ok=True)
+        kt_ops.save_adapter(model, out)
+        if summary["also_trained"]:  # not part of the expert-LoRA adapter
+            from safetensors.torch import save_file
+            params = dict(model.named_parameters())
+            save_file({n: params[n].detach().contiguous() for n in summary["also_trained"]},
+                      os.path.join(out, "also_trained.safetensors"))
+        if tokenizer_info["type"] == "kt_ops.tokenizer.ByteTokenizer":
+            ByteTokenizer().save_pretrained(out)
+        title = (f"LoRA r={args.lora_rank} on experts, {args.dtype}, backend={args.backend}, "
+                 f"batch {args.batch_size}x{args.seq_len}, {ddp.world_size} process(es)")
+        note = None if comparison is None else (
+            f"speedup {comparison['speedup']:.2f}x; per step |loss diff| <= {comparison['max_abs_diff']:.2g} "
+            f"(rel {comparison['max_rel_diff']:.2g})")
+        plot_losses(os.path.join(out, "loss_curve.png"), kt_result, eager_result, title, note)
+        summary["outputs"] = {"adapter_dir": out, "loss_curve": os.path.join(out, "loss_curve.png"),
+                              "summary": os.path.join(out, "summary.json")}
+        with open(os.path.join(out, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2)
+        _print_report(summary)
+    return FinetuneResult(model, kt_result, eager_result, summary)
+
+
+def _versions() -> dict:
+    out = {}
+    for name in ("transformers", "peft"):
+        try:
+            out[name] = __import__(name).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return out
+
+
+def _print_report(s: dict) -> None:
+    kt = s["kt_ops"]
+    print(f"kt_ops: loss {kt['losses'][0]:.4f} -> {kt['losses'][-1]:.4f} over {len(kt['losses'])} steps, "
+          f"{kt['tokens_per_s']:,.0f} tokens/s (steady state; median step: {kt['tokens_per_s_median']:,.0f}; "
+          f"first step {kt['first_step_s']:.1f} s "
+          f"incl. compilation), {s['world_size']} process(es) x {s['threads_per_process']} threads")
+    if s["eager"] is not None:
+        e, c = s["eager"], s["comparison"]
+        print(f"HF experts ({e['experts_implementation']}) + PEFT, eager: loss {e['losses'][0]:.4f} -> "
+              f"{e['losses'][-1]:.4f}, {e['tokens_per_s']:,.0f} tokens/s (median step: "
+              f"{e['tokens_per_s_median']:,.0f}; first step {e['first_step_s']:.1f} s)")
+        print(f"speedup kt_ops / eager: {c['speedup']:.2f}x (median steps: {c['speedup_median']:.2f}x); "
+              f"loss curves: max abs diff {c['max_abs_diff']:.3g}, "
+              f"max rel diff {c['max_rel_diff']:.3g} per step")
+    print(f"wrote {s['outputs']['adapter_dir']} (adapter), {s['outputs']['loss_curve']}, {s['outputs']['summary']}")
+
+
+def main(argv=None) -> int:
+    run(argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
