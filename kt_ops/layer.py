@@ -176,6 +176,16 @@ class KTMoE(nn.Module):
         if self.world_size == 1:
             return self._experts(x, ids, weights)
 
+        if (torch.is_grad_enabled() and (self.lora_rank or self.train_base)
+                and not (x.requires_grad or weights.requires_grad)):
+            # The owner's experts train, so its backward needs every rank's output gradients,
+            # but nothing on this rank would run backward through this layer: the owner would
+            # wait for this rank forever. (Same condition, same error, on every rank.)
+            raise RuntimeError(
+                f"KTMoE (layer {self.layer_id}, rank {self.rank}): the experts are trainable but neither "
+                "hidden_states nor the routing weights require grad here, so this rank would not run "
+                "the backward the owner's experts need. Train something before the layer (e.g. the "
+                "router), or make its input require grad (hidden_states.requires_grad_()).")
         args = (self.rank, self.world_size, self.owner_rank, self.layer_id, self._group_name())
         (x_all, ids_all, weights_all), lengths = torch.ops.kt.gather_to_owner([x, ids, weights], *args)
         if self.is_owner:
@@ -186,7 +196,10 @@ class KTMoE(nn.Module):
             weights_all = torch.ops.kt.scale_grad(weights_all, w)
             out_all = torch.ops.kt.scale_grad(self._experts(x_all, ids_all, weights_all), 1.0 / w)
         else:
-            out_all = x_all  # [0, H]: nothing to compute, but keeps the collectives chained
+            # [0, H]: nothing to compute. Built from both gathered inputs (0 elements, so no
+            # arithmetic really happens) so that this rank's output needs a gradient, and
+            # this rank joins the backward collectives, whenever the owner's output does.
+            out_all = x_all + weights_all.sum(-1, keepdim=True).to(x_all.dtype)
         (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
         return out
 

@@ -114,3 +114,32 @@ def test_out_of_step_raises_on_every_rank(case):
         assert "out of step" in res["message"], res["message"]
         assert f"their {MISMATCHES[case]} differs" in res["message"], res["message"]
         assert "rank 0: kt." in res["message"] and "rank 1: kt." in res["message"], res["message"]
+
+
+def _frozen_input_worker(rank, world_size, train_router):
+    from kt_ops.layer import KTMoE
+
+    torch.manual_seed(0)
+    layer = KTMoE(H, I, E, K, lora_rank=2, dtype=torch.float32)
+    layer.gate.weight.requires_grad_(train_router)
+    x = torch.randn(3 + rank, H)  # nothing before the layer trains
+    outcome = _outcome(lambda: layer(x).sum().backward())
+    grads = {n: p.grad is not None for n, p in layer.named_parameters()}
+    return dict(outcome=outcome, grads=grads)
+
+
+def test_trainable_experts_with_nothing_to_backpropagate_raise_on_every_rank():
+    """LoRA experts train but no rank's input or router needs a gradient: the non-owner would
+    skip backward and leave the owner waiting; instead every rank raises, naming the fix."""
+    results = check_all_ok(run_ranks(_frozen_input_worker, 2, False, timeout_s=90))
+    for res in results:
+        assert res["outcome"]["raised"] and "require grad" in res["outcome"]["message"], res
+
+
+def test_trainable_router_alone_carries_every_rank_through_backward():
+    """With only the router (and the owner's LoRA) trainable, every rank runs the backward
+    collectives: the step completes and both the router and the LoRA get gradients."""
+    results = check_all_ok(run_ranks(_frozen_input_worker, 2, True, timeout_s=90))
+    assert not results[0]["outcome"]["raised"] and not results[1]["outcome"]["raised"], results
+    assert results[0]["grads"]["gate_lora_a"] and results[0]["grads"]["gate.weight"]
+    assert results[1]["grads"] == {"gate.weight": True}
