@@ -26,6 +26,7 @@ _NUM_INPUTS = 14  # moe_forward's 12 tensors + lora_scale + save_activations
 def _setup_context(ctx, inputs, output):
     _, activations = output
     ctx.mark_non_differentiable(activations)
+    ctx.set_materialize_grads(False)  # no zero-filled gradient for the activations output
     ctx.lora_scale = inputs[12]
     ctx.saved_activations = inputs[13]
     tensors = list(inputs[:12])

@@ -22,22 +22,28 @@ enum Grad : int {
   kHidden, kWeights, kGate, kUp, kDown, kGateA, kGateB, kUpA, kUpB, kDownA, kDownB, kNumGrads
 };
 
-// Gradients of one LoRA-adapted projection out = in·Wᵀ + s·(in·Aᵀ)·Bᵀ of expert e, given its
-// upstream gradient d_out [n, out] and its input in [n, in].
-void lora_weight_grads(const at::Tensor& d_out, const at::Tensor& in, const std::optional<at::Tensor>& a,
-                       const std::optional<at::Tensor>& b, double s, int64_t e, bool need_w, bool need_a,
-                       bool need_b, at::Tensor& grad_w, at::Tensor& grad_a, at::Tensor& grad_b) {
-  if (need_w) grad_w[e].copy_(at::mm(d_out.t(), in));
-  if (need_b) grad_b[e].copy_(at::mm(d_out.t(), at::mm(in, (*a)[e].t())).mul_(s));
-  if (need_a) grad_a[e].copy_(at::mm(at::mm(d_out, (*b)[e]).t(), in).mul_(s));
-}
-
-// d_in = d_out·W + s·(d_out·B)·A for expert e.
-at::Tensor lora_input_grad(const at::Tensor& d_out, const at::Tensor& w, const std::optional<at::Tensor>& a,
-                           const std::optional<at::Tensor>& b, double s, int64_t e) {
-  at::Tensor d_in = at::mm(d_out, w[e]);
-  if (a.has_value()) d_in.addmm_(at::mm(d_out, (*b)[e]), (*a)[e], /*beta=*/1.0, /*alpha=*/s);
-  return d_in;
+// Backward of one LoRA-adapted projection out = in·W[e]ᵀ + s·(in·A[e]ᵀ)·B[e]ᵀ of expert e,
+// given its upstream gradient d_out [n, out] and its input in [n, in] (only read for the
+// weight gradients). Adds d_out·W[e] + s·(d_out·B[e])·A[e] to d_in (creating it when
+// undefined) if need_in, and writes dW[e] = d_outᵀ·in, dB[e] = s·d_outᵀ·(in·A[e]ᵀ),
+// dA[e] = s·(d_out·B[e])ᵀ·in where requested, straight into the gradient tensors.
+void projection_backward(const at::Tensor& d_out, const at::Tensor& in, const at::Tensor& w,
+                         const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b, double s,
+                         int64_t e, bool need_in, at::Tensor& d_in, bool need_w, bool need_a, bool need_b,
+                         at::Tensor& grad_w, at::Tensor& grad_a, at::Tensor& grad_b) {
+  at::Tensor d_out_b;  // d_out·B[e], [n, r]: shared by d_in and dA
+  if (a.has_value() && (need_in || need_a)) d_out_b = at::mm(d_out, (*b)[e]);
+  if (need_in) {
+    if (d_in.defined()) {
+      d_in.addmm_(d_out, w[e]);
+    } else {
+      d_in = at::mm(d_out, w[e]);
+    }
+    if (a.has_value()) d_in.addmm_(d_out_b, (*a)[e], /*beta=*/1.0, /*alpha=*/s);
+  }
+  if (need_w) grad_w[e].addmm_(d_out.t(), in, /*beta=*/0.0, /*alpha=*/1.0);
+  if (need_b) grad_b[e].addmm_(d_out.t(), at::mm(in, (*a)[e].t()), 0.0, s);
+  if (need_a) grad_a[e].addmm_(d_out_b.t(), in, 0.0, s);
 }
 
 at::Tensor empty_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
@@ -100,33 +106,29 @@ std::vector<at::Tensor> moe_backward_cpu(
     const at::Tensor u = pad_rows(act[1].narrow(0, blk.begin, n), padded, acc);
     const at::Tensor sig = at::sigmoid(g);
     const at::Tensor silu_g = g * sig;
-    const at::Tensor h_acc = silu_g * u;
-    const at::Tensor h = h_acc.to(ct);
+    const at::Tensor h = silu_g * u;  // accumulation dtype
 
-    const at::Tensor dh_unweighted =
-        lora_input_grad(dy, in.down, in.lora.down_a, in.lora.down_b, s, e).to(acc);
-    if (need(kWeights)) dw_rows.narrow(0, blk.begin, n).copy_((dh_unweighted * h_acc).sum(1).narrow(0, 0, n));
-    if (need_scaled_dy) {
-      const at::Tensor dy_w = (dy.to(acc) * w).to(ct);
-      lora_weight_grads(dy_w, h, in.lora.down_a, in.lora.down_b, s, e, need(kDown), need(kDownA),
-                        need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]);
-    }
+    // Down projection, fed the unweighted dy: its input gradient is dh' (dh without the
+    // routing weight) and, with hw = w·h as its input, its weight gradients are exactly
+    // those of (w·dy) and h: (w·dy)ᵀ·h = dyᵀ·(w·h).
+    const at::Tensor hw = need_scaled_dy ? (h * w).to(ct) : at::Tensor();
+    at::Tensor dh_unweighted;
+    projection_backward(dy, hw, in.down, in.lora.down_a, in.lora.down_b, s, e, /*need_in=*/true, dh_unweighted,
+                        need(kDown), need(kDownA), need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]);
+    at::Tensor dh = dh_unweighted.to(acc);
+    if (need(kWeights)) dw_rows.narrow(0, blk.begin, n).copy_((dh * h).sum(1).narrow(0, 0, n));
     if (!need_dgu) return;
-    const at::Tensor dh = dh_unweighted * w;
-    const at::Tensor dg = (dh * u * sig * (1 + g * (1 - sig))).to(ct);
+    dh = dh.mul(w);
     const at::Tensor du = (dh * silu_g).to(ct);
-    if (need(kHidden)) {
-      at::Tensor dx = lora_input_grad(dg, in.gate, in.lora.gate_a, in.lora.gate_b, s, e).to(acc);
-      dx.add_(lora_input_grad(du, in.up, in.lora.up_a, in.lora.up_b, s, e));
-      dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
-    }
-    if (need_x) {
-      const at::Tensor x = gather_rows_padded(in.x, tokens, padded);
-      lora_weight_grads(dg, x, in.lora.gate_a, in.lora.gate_b, s, e, need(kGate), need(kGateA),
-                        need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]);
-      lora_weight_grads(du, x, in.lora.up_a, in.lora.up_b, s, e, need(kUp), need(kUpA), need(kUpB),
-                        grads[kUp], grads[kUpA], grads[kUpB]);
-    }
+    // dg = dh·u·σ(g)(1 + g(1 − σ(g))) = dh·u·(σ + silu(g)(1 − σ))
+    const at::Tensor dg = at::rsub(sig, 1.0).mul_(silu_g).add_(sig).mul_(u).mul_(dh).to(ct);
+    const at::Tensor x = need_x ? gather_rows_padded(in.x, tokens, padded) : at::Tensor();
+    at::Tensor dx;
+    projection_backward(dg, x, in.gate, in.lora.gate_a, in.lora.gate_b, s, e, need(kHidden), dx, need(kGate),
+                        need(kGateA), need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]);
+    projection_backward(du, x, in.up, in.lora.up_a, in.lora.up_b, s, e, need(kHidden), dx, need(kUp),
+                        need(kUpA), need(kUpB), grads[kUp], grads[kUpA], grads[kUpB]);
+    if (need(kHidden)) dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
   });
 
   if (need(kHidden)) {
