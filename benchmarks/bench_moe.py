@@ -66,7 +66,7 @@ import kt_ops  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.baselines import HFLoopMoE  # noqa: E402
 from benchmarks.common import (  # noqa: E402,F401  (re-exported: older imports keep working)
-    BASE, DTYPES, LORA, Impl, cpu_model, flops, load_average, make_problem, rel_err)
+    BASE, DTYPES, LORA, Impl, cpu_model, flops, load_average, make_problem, make_step, rel_err)
 
 MODES = ("fwd", "fwd_lora", "lora", "full")
 DEFAULT_SHAPE = dict(tokens=1024, hidden=2048, intermediate=768, experts=128, topk=8)
@@ -158,18 +158,6 @@ def build_impls(mode: str, prob: Dict[str, torch.Tensor], args):
     def loop_forward():
         return model(loop_x, ids, w)
 
-    def make_step(forward):
-        if train:
-            def step():
-                y = forward()
-                y.backward(dy)
-                return y
-        else:
-            def step():
-                with torch.no_grad():
-                    return forward()
-        return step
-
     def kt_reset():
         kt_x.grad = None
         for t in kt_w.values():
@@ -189,8 +177,8 @@ def build_impls(mode: str, prob: Dict[str, torch.Tensor], args):
         out.update(model.stacked_grads(trained, prob))
         return out
 
-    impls = [Impl("kt.moe", make_step(kt_forward), kt_reset, kt_grads),
-             Impl("hf-loop", make_step(loop_forward), loop_reset, loop_grads)]
+    impls = [Impl("kt.moe", make_step(kt_forward, train, dy), kt_reset, kt_grads),
+             Impl("hf-loop", make_step(loop_forward, train, dy), loop_reset, loop_grads)]
     return impls, model
 
 

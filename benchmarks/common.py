@@ -89,6 +89,20 @@ def flops(mode: str, T: int, K: int, H: int, I: int, r: int) -> float:
     raise ValueError(mode)
 
 
+def make_step(forward: Callable[[], torch.Tensor], train: bool, dy: Optional[torch.Tensor]) -> Callable:
+    """One timed step: forward + ``backward(dy)`` when training, else forward under no_grad."""
+    if train:
+        def step():
+            y = forward()
+            y.backward(dy)
+            return y
+    else:
+        def step():
+            with torch.no_grad():
+                return forward()
+    return step
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     acc = torch.promote_types(a.dtype, torch.float32)  # fp32, or fp64 for fp64 runs
     a, b = a.detach().to(acc), b.detach().to(acc)

@@ -139,7 +139,7 @@ import kt_ops  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.baselines import GroupedMMMoE, HFLoopMoE, SortedMoE  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BASE, LORA, Impl, cpu_model, flops, load_average, make_problem, rel_err)
+    BASE, LORA, Impl, cpu_model, flops, load_average, make_problem, make_step, rel_err)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("fwd", "lora", "full")
@@ -385,16 +385,7 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
     else:
         raise ValueError(name)
 
-    if train:
-        def step():
-            y = forward()
-            y.backward(dy)
-            return y
-    else:
-        def step():
-            with torch.no_grad():
-                return forward()
-    impl = Impl(name, step, reset, grads)
+    impl = Impl(name, make_step(forward, train, dy), reset, grads)
     impl.close = close or (lambda: None)
     return impl
 

@@ -1,0 +1,23 @@
+"""The benchmark scripts still run end to end and agree with kt.moe (a smoke run on a tiny
+shape; no timing is asserted)."""
+import json
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_suite_smoke_run_reports_every_mode_with_small_errors(tmp_path):
+    out = tmp_path / "suite.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--cases", "tiny-t1", "--repeats", "1",
+                    "--warmup", "0", "--memory", "off", "--impls", "kt.moe,sorted-mm", "--json", str(out)],
+                   cwd=REPO, check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    assert report["finished"]
+    rows = {(r["mode"], r["impl"]): r for r in report["rows"]}
+    for mode in ("fwd", "lora", "full"):
+        kt = rows[(mode, "kt.moe")]
+        assert kt["status"] == "ok" and kt["tok_s"] > 0, kt
+        assert kt["out_err"] < 1e-2, kt
+        assert mode == "fwd" or kt["grad_err"] < 1e-2, kt
