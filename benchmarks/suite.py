@@ -309,6 +309,27 @@ def _kt_kernel_wrapper_class():
 # implementations: each is an Impl (step, reset, grads) plus .close()
 
 
+def _module_fns(model, x, ids, w, stacked_grads):
+    """forward / reset / grads / close of a baseline module called as ``model(x, ids, w)``;
+    ``close`` drops the module so that its weights are freed."""
+    held = {"model": model}
+
+    def forward():
+        return held["model"](x, ids, w)
+
+    def reset():
+        x.grad = None
+        held["model"].zero_grad(set_to_none=True)
+
+    def grads():
+        return {"hidden": x.grad, **stacked_grads(held["model"])}
+
+    def close():
+        held["model"] = None
+
+    return forward, reset, grads, close
+
+
 def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl:
     train = mode != "fwd"
     use_lora = mode == "lora"
@@ -340,20 +361,7 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
                     lora_scale=cfg.lora_scale, w13=prob["w13"])
         model.set_trainable(trained)
         x = prob["hidden"].detach().requires_grad_(train)
-
-        def forward():
-            return model(x, ids, w)
-
-        def reset():
-            x.grad = None
-            model.zero_grad(set_to_none=True)
-
-        def grads():
-            return {"hidden": x.grad, **model.stacked_grads(trained)}
-
-        def close():
-            nonlocal model
-            model = None
+        forward, reset, grads, close = _module_fns(model, x, ids, w, lambda m: m.stacked_grads(trained))
 
     elif name == "hf-loop":
         model = HFLoopMoE(*(prob[n] for n in BASE),
@@ -364,20 +372,7 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
             is_lora = leaf.endswith("lora_A") or leaf.endswith("lora_B")
             p.requires_grad_(train and (is_lora if use_lora else not is_lora))
         x = prob["hidden"].detach().clone().requires_grad_(train)
-
-        def forward():
-            return model(x, ids, w)
-
-        def reset():
-            x.grad = None
-            model.zero_grad(set_to_none=True)
-
-        def grads():
-            return {"hidden": x.grad, **model.stacked_grads(trained, prob)}
-
-        def close():
-            nonlocal model
-            model = None
+        forward, reset, grads, close = _module_fns(model, x, ids, w, lambda m: m.stacked_grads(trained, prob))
 
     elif name == "kt-kernel":
         return _build_kt_kernel(mode, prob, cfg)
