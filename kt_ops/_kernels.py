@@ -19,11 +19,13 @@ calls: collections.Counter = collections.Counter()
 
 
 def _reporting_failures(kernel, where):
+    range_name = f"kt.experts.{where.removeprefix('moe_')}"
+
     def run(*args):
         calls[where] += 1
         try:
             faults.maybe_inject(where)
-            with torch.profiler.record_function(f"kt.experts.{where.removeprefix('moe_')}"):
+            with torch.profiler.record_function(range_name):
                 return kernel(*args)
         except Exception as error:
             faults.report_failure(error)

@@ -63,9 +63,9 @@ def _exchange_headers(op: str, group: dist.ProcessGroup, tag: int, rows: int,
     width = math.prod(sample.shape[1:])
     dtype = _dtype_code(sample.dtype)
     signature = sum((i + 1) * (math.prod(t.shape[1:]) * 64 + _dtype_code(t.dtype)) for i, t in enumerate(tensors))
-    mine = torch.tensor([_OP_CODES[op], tag, rows, width, dtype, len(tensors), signature], dtype=torch.int64)
-    device = sample.device if sample.device.type != "cpu" else torch.device("cpu")
-    mine = mine.to(device)
+    # On the rows' device: NCCL only moves device tensors.
+    mine = torch.tensor([_OP_CODES[op], tag, rows, width, dtype, len(tensors), signature], dtype=torch.int64,
+                        device=sample.device)
     slots = [torch.empty_like(mine) for _ in range(group.size())]
     faults.wait_for([dist.all_gather(slots, mine, group=group, async_op=True)], group)
     headers = torch.stack(slots).cpu()
