@@ -12,6 +12,7 @@ from kt_ops import _autograd  # noqa: F401
 from kt_ops import meta_kernels  # noqa: F401
 from kt_ops import collectives  # noqa: F401
 from kt_ops import scale_grad  # noqa: F401
+from kt_ops.cpu_isa import cpu_isa, set_cpu_isa, use_cpu_isa
 from kt_ops.checkpoint import checkpoint, checkpoint_context_fn
 from kt_ops.collectives import gather_to_owner, scatter_from_owner
 from kt_ops.layer import KTMoE
@@ -19,4 +20,4 @@ from kt_ops.moe import moe
 from kt_ops.hf import load_adapter, patch_model, save_adapter  # transformers/peft imported lazily
 
 __all__ = ["moe", "KTMoE", "gather_to_owner", "scatter_from_owner", "checkpoint", "checkpoint_context_fn",
-           "patch_model", "save_adapter", "load_adapter"]
+           "patch_model", "save_adapter", "load_adapter", "cpu_isa", "set_cpu_isa", "use_cpu_isa"]

@@ -13,6 +13,8 @@
 #include <torch/library.h>
 
 #include "ops/moe_common.h"
+#include "ops/small_gemm.h"
+#include "ops/swiglu.h"
 
 namespace kt {
 namespace {
@@ -22,28 +24,49 @@ enum Grad : int {
   kHidden, kWeights, kGate, kUp, kDown, kGateA, kGateB, kUpA, kUpB, kDownA, kDownB, kNumGrads
 };
 
-// Backward of one LoRA-adapted projection out = in·W[e]ᵀ + s·(in·A[e]ᵀ)·B[e]ᵀ of expert e,
-// given its upstream gradient d_out [n, out] and its input in [n, in] (only read for the
-// weight gradients). Adds d_out·W[e] + s·(d_out·B[e])·A[e] to d_in (creating it when
-// undefined) if need_in, and writes dW[e] = d_outᵀ·in, dB[e] = s·d_outᵀ·(in·A[e]ᵀ),
-// dA[e] = s·(d_out·B[e])ᵀ·in where requested, straight into the gradient tensors.
-void projection_backward(const at::Tensor& d_out, const at::Tensor& in, const at::Tensor& w,
-                         const std::optional<at::Tensor>& a, const std::optional<at::Tensor>& b, double s,
-                         int64_t e, bool need_in, at::Tensor& d_in, bool need_w, bool need_a, bool need_b,
-                         at::Tensor& grad_w, at::Tensor& grad_a, at::Tensor& grad_b) {
-  at::Tensor d_out_b;  // d_out·B[e], [n, r]: shared by d_in and dA
-  if (a.has_value() && (need_in || need_a)) d_out_b = at::mm(d_out, (*b)[e]);
+// Gradients of one LoRA-adapted projection out = in·W[e]ᵀ + s·(in·A[e]ᵀ)·B[e]ᵀ of expert e,
+// in two halves: the input's gradient first (the SwiGLU backward needs it before the down
+// projection's input is known), the weights' after.
+
+// d_in += d_out·W[e] + s·(d_out·B[e])·A[e] (d_in created when undefined). Returns
+// q = d_out·B[e] [n, r] when there is LoRA and need_q (dA needs it), else undefined.
+at::Tensor input_backward(const at::Tensor& d_out, const at::Tensor& w, const std::optional<at::Tensor>& a,
+                          const std::optional<at::Tensor>& b, double s, int64_t e, bool need_in, bool need_q,
+                          at::Tensor& d_in) {
+  at::Tensor q;
+  if (a.has_value() && (need_in || need_q)) q = at::mm(d_out, (*b)[e]);
   if (need_in) {
     if (d_in.defined()) {
       d_in.addmm_(d_out, w[e]);
     } else {
       d_in = at::mm(d_out, w[e]);
     }
-    if (a.has_value()) d_in.addmm_(d_out_b, (*a)[e], /*beta=*/1.0, /*alpha=*/s);
+    if (a.has_value()) small_gemm(d_in, d_in, q, (*a)[e], s);
   }
-  if (need_w) grad_w[e].addmm_(d_out.t(), in, /*beta=*/0.0, /*alpha=*/1.0);
-  if (need_b) grad_b[e].addmm_(d_out.t(), at::mm(in, (*a)[e].t()), 0.0, s);
-  if (need_a) grad_a[e].addmm_(d_out_b.t(), in, 0.0, s);
+  return q;
+}
+
+struct ProjectionGrads {
+  bool need_w, need_a, need_b;
+  at::Tensor &grad_w, &grad_a, &grad_b;
+};
+
+// dW[e] = d_outᵀ·in, dB[e] = s·d_outᵀ·(in·A[e]ᵀ), dA[e] = s·qᵀ·in, written (not added) into
+// the gradient tensors where requested. dB is computed transposed ([r, out], the layout
+// small_gemm produces) and copied.
+void weight_backward(const at::Tensor& d_out, const at::Tensor& in, const at::Tensor& q,
+                     const std::optional<at::Tensor>& a, double s, int64_t e, const ProjectionGrads& pg) {
+  if (pg.need_w) pg.grad_w[e].addmm_(d_out.t(), in, /*beta=*/0.0, /*alpha=*/1.0);
+  if (pg.need_b) {
+    const at::Tensor in_a = at::mm(in, (*a)[e].t());  // [n, r]
+    at::Tensor grad_b_t = at::empty({in_a.size(1), d_out.size(1)}, d_out.options().dtype(accumulate_type(d_out.scalar_type())));
+    small_gemm(grad_b_t, std::nullopt, in_a.t(), d_out, s);
+    pg.grad_b[e].copy_(grad_b_t.t());
+  }
+  if (pg.need_a) {
+    at::Tensor grad_a = pg.grad_a[e];
+    small_gemm(grad_a, std::nullopt, q.t(), in, s);
+  }
 }
 
 at::Tensor empty_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
@@ -66,7 +89,6 @@ std::vector<at::Tensor> moe_backward_cpu(
   const at::Tensor dy_all = grad_output.detach().reshape(in.x.sizes()).contiguous();
   const at::Tensor act = activations.detach().contiguous();
   const auto acc = accumulate_type(in.x.scalar_type());
-  const auto ct = in.x.scalar_type();
   const double s = in.scale;
 
   auto need = [&](Grad g) { return output_mask[g]; };
@@ -79,8 +101,11 @@ std::vector<at::Tensor> moe_backward_cpu(
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
   const int64_t N = routing.num_pairs();
   const int64_t H = in.x.size(1);
+  const int64_t I = in.gate.size(1);
 
-  // Gradients of the expert weights; experts that got no rows keep zeros.
+  // Gradients of the expert weights: every expert with rows writes its whole slice, so only
+  // the experts without rows are zeroed (zero-filling the stacked gradients cost more than the
+  // backward itself in full mode at decode sizes).
   std::array<at::Tensor, kNumGrads> grads;
   const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate, &in.up, &in.down,
                                            lora.has_gate() ? &*in.lora.gate_a : nullptr,
@@ -90,7 +115,13 @@ std::vector<at::Tensor> moe_backward_cpu(
                                            lora.has_down() ? &*in.lora.down_a : nullptr,
                                            lora.has_down() ? &*in.lora.down_b : nullptr};
   for (int g = kGate; g < kNumGrads; ++g) {
-    grads[g] = need(Grad(g)) ? at::zeros_like(*weight_of[g]) : empty_grad(in.x);
+    grads[g] = need(Grad(g)) ? at::empty_like(*weight_of[g]) : empty_grad(in.x);
+  }
+  for (int64_t e = 0; e < in.gate.size(0); ++e) {
+    if (routing.rows(e) > 0) continue;
+    for (int g = kGate; g < kNumGrads; ++g) {
+      if (need(Grad(g))) grads[g][e].zero_();
+    }
   }
   at::Tensor dx_rows = need(kHidden) ? at::empty({N, H}, in.x.options().dtype(acc)) : at::Tensor();
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
@@ -99,36 +130,37 @@ std::vector<at::Tensor> moe_backward_cpu(
     // Rows [n, padded) are zeros (see padded_rows): they add nothing to any gradient.
     const int64_t e = blk.expert, n = blk.end - blk.begin, padded = padded_rows(n);
     const at::Tensor tokens = routing.sorted_tokens.narrow(0, blk.begin, n);
-    const at::Tensor w = gather_rows_padded(in.weights.view({-1, 1}),
-                                            routing.sorted_pairs.narrow(0, blk.begin, n), padded);  // [padded, 1]
+    const at::Tensor w = gather_rows_padded(in.weights.view({-1, 1}), routing.sorted_pairs.narrow(0, blk.begin, n),
+                                            padded).view({padded});
     const at::Tensor dy = gather_rows_padded(dy_all, tokens, padded);
-    const at::Tensor g = pad_rows(act[0].narrow(0, blk.begin, n), padded, acc);
-    const at::Tensor u = pad_rows(act[1].narrow(0, blk.begin, n), padded, acc);
-    const at::Tensor sig = at::sigmoid(g);
-    const at::Tensor silu_g = g * sig;
-    const at::Tensor h = silu_g * u;  // accumulation dtype
 
     // Down projection, fed the unweighted dy: its input gradient is dh' (dh without the
     // routing weight) and, with hw = w·h as its input, its weight gradients are exactly
     // those of (w·dy) and h: (w·dy)ᵀ·h = dyᵀ·(w·h).
-    const at::Tensor hw = need_scaled_dy ? (h * w).to(ct) : at::Tensor();
     at::Tensor dh_unweighted;
-    projection_backward(dy, hw, in.down, in.lora.down_a, in.lora.down_b, s, e, /*need_in=*/true, dh_unweighted,
-                        need(kDown), need(kDownA), need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]);
-    at::Tensor dh = dh_unweighted.to(acc);
-    if (need(kWeights)) dw_rows.narrow(0, blk.begin, n).copy_((dh * h).sum(1).narrow(0, 0, n));
+    const at::Tensor q_down = input_backward(dy, in.down, in.lora.down_a, in.lora.down_b, s, e, /*need_in=*/true,
+                                             need(kDownA), dh_unweighted);
+    SwigluBackwardOut sw;
+    sw.dg = at::empty({padded, I}, in.x.options());
+    sw.du = at::empty({padded, I}, in.x.options());
+    if (need_scaled_dy) sw.hw = at::empty({padded, I}, in.x.options());
+    if (need(kWeights)) sw.dw = dw_rows.narrow(0, blk.begin, n);
+    swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw);
+    weight_backward(dy, sw.hw, q_down, in.lora.down_a, s, e,
+                    {need(kDown), need(kDownA), need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]});
     if (!need_dgu) return;
-    dh = dh.mul(w);
-    const at::Tensor du = (dh * silu_g).to(ct);
-    // dg = dh·u·σ(g)(1 + g(1 − σ(g))) = dh·u·(σ + silu(g)(1 − σ))
-    const at::Tensor dg = at::rsub(sig, 1.0).mul_(silu_g).add_(sig).mul_(u).mul_(dh).to(ct);
+
     const at::Tensor x = need_x ? gather_rows_padded(in.x, tokens, padded) : at::Tensor();
     at::Tensor dx;
-    projection_backward(dg, x, in.gate, in.lora.gate_a, in.lora.gate_b, s, e, need(kHidden), dx, need(kGate),
-                        need(kGateA), need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]);
-    projection_backward(du, x, in.up, in.lora.up_a, in.lora.up_b, s, e, need(kHidden), dx, need(kUp),
-                        need(kUpA), need(kUpB), grads[kUp], grads[kUpA], grads[kUpB]);
+    const at::Tensor q_gate = input_backward(sw.dg, in.gate, in.lora.gate_a, in.lora.gate_b, s, e, need(kHidden),
+                                             need(kGateA), dx);
+    const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, in.lora.up_b, s, e, need(kHidden),
+                                           need(kUpA), dx);
     if (need(kHidden)) dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
+    weight_backward(sw.dg, x, q_gate, in.lora.gate_a, s, e,
+                    {need(kGate), need(kGateA), need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]});
+    weight_backward(sw.du, x, q_up, in.lora.up_a, s, e,
+                    {need(kUp), need(kUpA), need(kUpB), grads[kUp], grads[kUpA], grads[kUpB]});
   });
 
   if (need(kHidden)) {

@@ -1,5 +1,7 @@
 #include "ops/moe_common.h"
 
+#include "ops/small_gemm.h"
+
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <c10/util/accumulate.h>
@@ -90,10 +92,14 @@ at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype
 }
 
 at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
-                       const std::optional<at::Tensor>& b, double scale) {
+                       const std::optional<at::Tensor>& b_t, double scale) {
   at::Tensor out = at::mm(in, w.t());
-  if (a.has_value()) out.addmm_(at::mm(in, a->t()), b->t(), /*beta=*/1.0, /*alpha=*/scale);
+  if (a.has_value()) small_gemm(out, out, at::mm(in, a->t()), *b_t, scale);
   return out;
+}
+
+std::optional<at::Tensor> transposed_lora_b(const std::optional<at::Tensor>& b) {
+  return b.has_value() ? std::optional<at::Tensor>(b->transpose(1, 2).contiguous()) : std::nullopt;
 }
 
 }  // namespace kt

@@ -4,10 +4,12 @@
 //   g = x·Wgᵀ + s·(x·Agᵀ)·Bgᵀ,  u = x·Wuᵀ + s·(x·Auᵀ)·Buᵀ,  h = silu(g)·u,
 //   o = h·Wdᵀ + s·(h·Adᵀ)·Bdᵀ
 // and then y[t] = Σ_j w[t, j]·o[t, j] in fixed slot order. GEMMs are ATen's (oneDNN/MKL),
-// one thread each, blocks spread over torch's intra-op threads.
+// one thread each, blocks spread over torch's intra-op threads; the rank-r LoRA updates
+// (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own.
 #include <torch/library.h>
 
 #include "ops/moe_common.h"
+#include "ops/swiglu.h"
 
 namespace kt {
 namespace {
@@ -16,10 +18,10 @@ namespace {
 // expert that receives many tokens over several threads.
 constexpr int64_t kForwardBlockRows = 256;
 
-// silu(g)·u computed in the accumulation dtype, returned in the dtype of g.
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
-  const auto acc = accumulate_type(g.scalar_type());
-  return at::silu(g.to(acc)).mul_(u.to(acc)).to(g.scalar_type());
+  at::Tensor h = at::empty_like(g);
+  swiglu_forward(g, u, h);
+  return h;
 }
 
 std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
@@ -41,6 +43,9 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
   const int64_t N = routing.num_pairs();
 
+  const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
+  const auto up_b_t = transposed_lora_b(in.lora.up_b);
+  const auto down_b_t = transposed_lora_b(in.lora.down_b);
   at::Tensor activations = at::empty({2, save_activations ? N : 0, I}, in.x.options());
   at::Tensor expert_out = at::empty({N, H}, in.x.options().dtype(acc));  // o, sorted rows
 
@@ -48,15 +53,15 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     const int64_t e = blk.expert, n = blk.end - blk.begin;
     const at::Tensor x_e = gather_rows_padded(in.x, routing.sorted_tokens.narrow(0, blk.begin, n), padded_rows(n));
     const at::Tensor g = lora_linear(x_e, in.gate[e], expert_slice(in.lora.gate_a, e),
-                                     expert_slice(in.lora.gate_b, e), in.scale);
+                                     expert_slice(gate_b_t, e), in.scale);
     const at::Tensor u = lora_linear(x_e, in.up[e], expert_slice(in.lora.up_a, e),
-                                     expert_slice(in.lora.up_b, e), in.scale);
+                                     expert_slice(up_b_t, e), in.scale);
     if (save_activations) {
       activations[0].narrow(0, blk.begin, n).copy_(g.narrow(0, 0, n));
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
     const at::Tensor o = lora_linear(swiglu(g, u), in.down[e], expert_slice(in.lora.down_a, e),
-                                     expert_slice(in.lora.down_b, e), in.scale);
+                                     expert_slice(down_b_t, e), in.scale);
     expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));
   });
 

@@ -73,4 +73,17 @@ TORCH_LIBRARY(kt, m) {
   // Identity whose gradient is multiplied by `scale` (kt_ops/layer.py uses it to give the
   // owner's expert gradients DDP's average-over-ranks meaning).
   m.def("scale_grad(Tensor self, float scale) -> Tensor", {at::Tag::pt2_compliant_tag});
+
+  // Instruction set of the hand-written CPU kernels (csrc/ops/cpu_isa.h): the active one,
+  // the best this CPU supports, and a setter (portable | avx2 | avx512 | avx512_bf16 | auto).
+  m.def("_cpu_isa() -> str");
+  m.def("_best_cpu_isa() -> str");
+  m.def("_set_cpu_isa(str isa) -> ()");
+  // The fused kernels on their own, with an explicit path, so that tests compare every path
+  // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
+  m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
+  m.def("_swiglu_forward(Tensor g, Tensor u, str isa) -> Tensor");
+  m.def(
+      "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "
+      "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
 }

@@ -1,0 +1,37 @@
+// Runtime choice of the instruction set the hand-written CPU kernels use.
+//
+// The extension is compiled for baseline x86-64; the SIMD kernels are separate functions
+// compiled with __attribute__((target(...))) and only called when the CPU (and the OS, for
+// the AVX-512 register state) supports them, so the library never dies with an illegal
+// instruction. The environment variable KT_OPS_CPU_ISA (portable | avx2 | avx512 |
+// avx512_bf16 | auto) forces a path at import; kt::_set_cpu_isa changes it at run time (tests
+// use it to cover every path on one machine). Asking for a path the CPU lacks raises.
+#pragma once
+
+#include <string>
+
+namespace kt {
+
+enum class CpuIsa : int { kPortable = 0, kAvx2 = 1, kAvx512 = 2, kAvx512Bf16 = 3 };
+
+// The best path this CPU supports.
+CpuIsa best_cpu_isa();
+
+// The path the kernels use now (best_cpu_isa() unless forced).
+CpuIsa active_cpu_isa();
+
+const char* cpu_isa_name(CpuIsa isa);
+
+// Parses a name ("auto" = best); throws ValueError naming `what` for an unknown name and
+// RuntimeError when this CPU cannot run the path.
+CpuIsa parse_cpu_isa(const std::string& name, const char* what);
+
+void set_active_cpu_isa(CpuIsa isa);
+
+// Functions compiled for one path. AVX-512 implies AVX2 and FMA on every CPU that has it.
+#define KT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define KT_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
+#define KT_TARGET_AVX512_BF16 \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+
+}  // namespace kt

@@ -1,0 +1,59 @@
+// Ops that expose the instruction-set switch and the fused kernels one by one (schemas in
+// registration.cpp). Tests use them to run every path on one machine.
+#include <torch/library.h>
+
+#include "ops/cpu_isa.h"
+#include "ops/small_gemm.h"
+#include "ops/swiglu.h"
+
+namespace kt {
+namespace {
+
+std::string cpu_isa() { return cpu_isa_name(active_cpu_isa()); }
+
+std::string best_isa() { return cpu_isa_name(best_cpu_isa()); }
+
+void set_cpu_isa(const std::string& name) { set_active_cpu_isa(parse_cpu_isa(name, "isa")); }
+
+at::Tensor small_gemm_op(const std::optional<at::Tensor>& c, const at::Tensor& a, const at::Tensor& b,
+                         double alpha, at::ScalarType out_dtype, const std::string& isa) {
+  at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
+  small_gemm(out, c, a, b, alpha, parse_cpu_isa(isa, "isa"));
+  return out;
+}
+
+at::Tensor swiglu_forward_op(const at::Tensor& g, const at::Tensor& u, const std::string& isa) {
+  at::Tensor h = at::empty_like(g);
+  swiglu_forward(g, u, h, parse_cpu_isa(isa, "isa"));
+  return h;
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_op(
+    const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w, bool need_hw,
+    bool need_dw, const std::string& isa) {
+  const int64_t p = dh.size(0), I = dh.size(1);
+  SwigluBackwardOut out;
+  out.dg = at::empty({p, I}, dh.options());
+  out.du = at::empty({p, I}, dh.options());
+  out.hw = need_hw ? at::empty({p, I}, dh.options()) : at::Tensor();
+  out.dw = need_dw ? at::empty({g.size(0)}, w.options()) : at::Tensor();
+  swiglu_backward(g, u, dh, w, out, parse_cpu_isa(isa, "isa"));
+  auto none = [&] { return at::empty({0}, dh.options()); };
+  return {out.dg, out.du, need_hw ? out.hw : none(), need_dw ? out.dw : none()};
+}
+
+}  // namespace
+
+TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
+  m.impl("_cpu_isa", &cpu_isa);
+  m.impl("_best_cpu_isa", &best_isa);
+  m.impl("_set_cpu_isa", &set_cpu_isa);
+}
+
+TORCH_LIBRARY_IMPL(kt, CPU, m) {
+  m.impl("_small_gemm", &small_gemm_op);
+  m.impl("_swiglu_forward", &swiglu_forward_op);
+  m.impl("_swiglu_backward", &swiglu_backward_op);
+}
+
+}  // namespace kt

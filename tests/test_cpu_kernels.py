@@ -1,0 +1,179 @@
+"""The hand-written CPU kernels (csrc/ops/small_gemm.cpp, swiglu.cpp) on every instruction-set
+path this CPU runs, against float64 formulas and against each other, plus the path switch:
+kt.moe itself on each path, KT_OPS_CPU_ISA, and errors for unknown or unsupported paths."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kt_ops
+from kt_ops.cpu_isa import ISAS, best_cpu_isa, supported_cpu_isas
+from moe_samples import make_moe_inputs
+from moe_testing import TOLERANCE, grad_output_for, rel_err, run_op, run_reference
+
+f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+
+
+def isa_param(isa):
+    marks = [] if isa in supported_cpu_isas() else [pytest.mark.skip(reason=f"this CPU cannot run {isa}")]
+    return pytest.param(isa, marks=marks, id=isa)
+
+
+ALL_ISAS = [isa_param(isa) for isa in ISAS]
+
+
+def rand(*shape, dtype, seed, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g, dtype=f64) * scale).to(dtype)
+
+
+def assert_close_to(out, ref_f64, dtype, what):
+    """out within the rounding of its dtype of the float64 result (per element, scaled)."""
+    assert out.dtype == dtype, what
+    scale = ref_f64.abs().max().item() + 1e-30
+    atol = {f32: 2e-5, bf16: 1.6e-2, f64: 1e-12}[dtype] * scale
+    err = (out.double() - ref_f64).abs().max().item()
+    assert err <= atol, f"{what}: max abs err {err:.3g} > {atol:.3g}"
+
+
+# ---- small_gemm: out = c + alpha·a·b ----------------------------------------------------------
+
+# Column counts around the tile widths (16, 32) so the SIMD tiles and the reference tail run;
+# row counts around the row tiles (4, 8).
+GEMM_SHAPES = [(1, 1, 1), (3, 5, 17), (8, 8, 32), (13, 8, 2069), (4, 16, 48), (64, 17, 96), (9, 64, 768)]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("shape", GEMM_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("ab_dtype,out_dtype,c_dtype", [
+    (bf16, bf16, bf16), (bf16, f32, None), (f32, f32, f32), (f32, bf16, None), (bf16, bf16, None),
+    (f64, f64, f64)])
+def test_small_gemm_matches_float64(isa, shape, ab_dtype, out_dtype, c_dtype):
+    M, Kd, N = shape
+    seed = M * 1000 + Kd * 10 + N
+    a = rand(Kd, M, dtype=ab_dtype, seed=seed).t()  # strided a, as the kernels pass qᵀ
+    b = rand(Kd, N, dtype=ab_dtype, seed=seed + 1)
+    c = rand(M, N, dtype=c_dtype, seed=seed + 2) if c_dtype else None
+    out = torch.ops.kt._small_gemm(c, a, b, 0.75, out_dtype, isa)
+    ref = 0.75 * a.double() @ b.double() + (c.double() if c is not None else 0)
+    assert_close_to(out, ref, out_dtype, f"small_gemm {isa}")
+
+
+@pytest.mark.parametrize("isa", [isa_param(i) for i in ISAS if i != "portable"])
+def test_small_gemm_simd_paths_agree_with_the_reference_loop(isa):
+    """Same inputs, the reference loop vs a SIMD path: float32 results agree to accumulation
+    order, bf16 results to one bf16 rounding."""
+    a = rand(37, 8, dtype=bf16, seed=1)
+    b = rand(8, 2048 + 40, dtype=bf16, seed=2)
+    c = rand(37, 2048 + 40, dtype=bf16, seed=3)
+    for out_dtype, tol in ((f32, 1e-5), (bf16, 8e-3)):
+        ref = torch.ops.kt._small_gemm(c, a, b, 1.25, out_dtype, "portable").double()
+        out = torch.ops.kt._small_gemm(c, a, b, 1.25, out_dtype, isa).double()
+        assert ((out - ref).abs() <= tol * (ref.abs() + 1)).all(), out_dtype
+
+
+# ---- swiglu forward / backward ------------------------------------------------------------------
+
+def swiglu_reference(g, u, dh, w):
+    g, u, dh, w = g.double(), u.double(), dh.double(), w.double()[:, None]
+    sig = torch.sigmoid(g)
+    silu = g * sig
+    h = silu * u
+    dhw = w * dh
+    return dict(h=h, dg=dhw * u * (sig + silu * (1 - sig)), du=dhw * silu, hw=w * h, dw=(dh * h).sum(1))
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("n,pad,I", [(1, 0, 1), (5, 3, 15), (4, 0, 16), (7, 1, 33), (3, 13, 768)])
+def test_swiglu_matches_float64(isa, dtype, n, pad, I):
+    seed = n * 100 + I
+    g = rand(n, I, dtype=dtype, seed=seed, scale=3.0)
+    u = rand(n, I, dtype=dtype, seed=seed + 1)
+    dh = torch.cat([rand(n, I, dtype=dtype, seed=seed + 2), torch.full((pad, I), 7.0, dtype=dtype)])  # tail: garbage
+    w = torch.rand(n + pad, generator=torch.Generator().manual_seed(seed), dtype=f64).to(f64 if dtype == f64 else f32)
+    ref = swiglu_reference(g, u, dh[:n], w[:n])
+    assert_close_to(torch.ops.kt._swiglu_forward(g, u, isa), ref["h"], dtype, "h")
+    dg, du, hw, dw = torch.ops.kt._swiglu_backward(g, u, dh, w, True, True, isa)
+    for name, t in (("dg", dg), ("du", du), ("hw", hw)):
+        assert t.shape == (n + pad, I), name
+        assert_close_to(t[:n], ref[name], dtype, name)
+        assert (t[n:] == 0).all(), f"{name}: padding rows must be zero"
+    assert dw.dtype == w.dtype and dw.shape == (n,)
+    assert_close_to(dw, ref["dw"], w.dtype if dtype != bf16 else f32, "dw")
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_swiglu_extremes_and_nan(isa):
+    """Large |g| gives silu's limits (no inf/NaN from exp overflow); NaN propagates to its own
+    element only."""
+    g = torch.tensor([[-200.0, -90.0, -30.0, -1e-3, 0.0, 1e-3, 30.0, 90.0, 200.0, float("nan")] + [0.5] * 22])
+    u = torch.ones_like(g)
+    h = torch.ops.kt._swiglu_forward(g, u, isa)
+    ref = torch.nn.functional.silu(g.double())
+    finite = ~torch.isnan(g)
+    assert torch.isnan(h[~finite]).all()
+    assert torch.allclose(h[finite].double(), ref[finite], rtol=1e-5, atol=1e-30)
+    dg, du, hw, dw = torch.ops.kt._swiglu_backward(g, u, torch.ones_like(g), torch.ones(1), True, True, isa)
+    assert torch.isnan(dg[~finite]).all() and torch.isfinite(dg[finite]).all()
+    assert torch.isnan(dw).all()
+
+
+def test_swiglu_without_optional_outputs():
+    g, u, dh = (rand(4, 40, dtype=bf16, seed=s) for s in (1, 2, 3))
+    w = torch.rand(4)
+    dg, du, hw, dw = torch.ops.kt._swiglu_backward(g, u, dh, w, False, False, kt_ops.cpu_isa())
+    assert hw.numel() == 0 and dw.numel() == 0
+    ref = swiglu_reference(g, u, dh, w)
+    assert_close_to(dg, ref["dg"], bf16, "dg")
+
+
+# ---- kt.moe on every path ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("dtype,mode", [(bf16, "lora"), (bf16, "full"), (f32, "hybrid"), (bf16, "hybrid")],
+                         ids=["bf16-lora", "bf16-full", "fp32-hybrid", "bf16-hybrid"])
+def test_moe_on_each_path_matches_float64_reference(isa, dtype, mode):
+    """Shapes wide enough for the SIMD tiles (H = 80, I = 48: full tiles plus tails)."""
+    kwargs = make_moe_inputs(T_shape=(37,), H=80, I=48, E=6, K=3, r=0 if mode == "full" else 4, dtype=dtype,
+                             mode=mode, empty_experts=True, seed=11)
+    grad_out = grad_output_for(kwargs)
+    with kt_ops.use_cpu_isa(isa):
+        out, grads = run_op(kwargs, grad_out)
+    ref_out, ref_grads = run_reference(kwargs, grad_out)
+    tol = TOLERANCE[dtype]
+    assert rel_err(out, ref_out) < tol
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < tol, name
+
+
+def test_use_cpu_isa_restores_and_rejects_bad_names():
+    before = kt_ops.cpu_isa()
+    with kt_ops.use_cpu_isa("portable"):
+        assert kt_ops.cpu_isa() == "portable"
+    assert kt_ops.cpu_isa() == before
+    with pytest.raises(ValueError, match="expected one of auto, portable, avx2, avx512, avx512_bf16"):
+        kt_ops.set_cpu_isa("sse9")
+    assert kt_ops.cpu_isa() == before
+    with kt_ops.use_cpu_isa("auto"):
+        assert kt_ops.cpu_isa() == best_cpu_isa()
+
+
+def _import_with_env(value):
+    env = dict(os.environ, KT_OPS_CPU_ISA=value)
+    return subprocess.run([sys.executable, "-c", "import kt_ops; print(kt_ops.cpu_isa())"], env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_environment_variable_forces_a_path():
+    res = _import_with_env("portable")
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "portable"
+
+
+def test_environment_variable_with_a_bad_name_fails_at_import():
+    res = _import_with_env("avx1024")
+    assert res.returncode != 0
+    assert "KT_OPS_CPU_ISA" in res.stderr and "avx1024" in res.stderr
