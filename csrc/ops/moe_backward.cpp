@@ -12,6 +12,7 @@
 // threads write the same gradient. Unrequested gradients are neither computed nor allocated.
 #include <torch/library.h>
 
+#include "ops/large_alloc.h"
 #include "ops/moe_common.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
@@ -115,7 +116,7 @@ std::vector<at::Tensor> moe_backward_cpu(
                                            lora.has_down() ? &*in.lora.down_a : nullptr,
                                            lora.has_down() ? &*in.lora.down_b : nullptr};
   for (int g = kGate; g < kNumGrads; ++g) {
-    grads[g] = need(Grad(g)) ? at::empty_like(*weight_of[g]) : empty_grad(in.x);
+    grads[g] = need(Grad(g)) ? empty_large_like(*weight_of[g]) : empty_grad(in.x);
   }
   for (int64_t e = 0; e < in.gate.size(0); ++e) {
     if (routing.rows(e) > 0) continue;
@@ -123,7 +124,7 @@ std::vector<at::Tensor> moe_backward_cpu(
       if (need(Grad(g))) grads[g][e].zero_();
     }
   }
-  at::Tensor dx_rows = need(kHidden) ? at::empty({N, H}, in.x.options().dtype(acc)) : at::Tensor();
+  at::Tensor dx_rows = need(kHidden) ? empty_large({N, H}, in.x.options().dtype(acc)) : at::Tensor();
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 
   for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
@@ -164,7 +165,7 @@ std::vector<at::Tensor> moe_backward_cpu(
   });
 
   if (need(kHidden)) {
-    at::Tensor dx = at::empty({in.x.size(0), H}, in.x.options());
+    at::Tensor dx = empty_large({in.x.size(0), H}, in.x.options());
     combine_rows(dx_rows, routing.row_of_pair, std::nullopt, dx);
     grads[kHidden] = dx.view(hidden_states.sizes());
   } else {

@@ -8,6 +8,7 @@
 // (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own.
 #include <torch/library.h>
 
+#include "ops/large_alloc.h"
 #include "ops/moe_common.h"
 #include "ops/swiglu.h"
 
@@ -46,8 +47,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
-  at::Tensor activations = at::empty({2, save_activations ? N : 0, I}, in.x.options());
-  at::Tensor expert_out = at::empty({N, H}, in.x.options().dtype(acc));  // o, sorted rows
+  at::Tensor activations = empty_large({2, save_activations ? N : 0, I}, in.x.options());
+  at::Tensor expert_out = empty_large({N, H}, in.x.options().dtype(acc));  // o, sorted rows
 
   for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
@@ -65,7 +66,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));
   });
 
-  at::Tensor out = at::empty({in.x.size(0), H}, in.x.options());
+  at::Tensor out = empty_large({in.x.size(0), H}, in.x.options());
   combine_rows(expert_out, routing.row_of_pair, in.weights, out);
   return {out.view(hidden_states.sizes()), activations};
 }

@@ -183,37 +183,43 @@ void gemm_avx512(const GemmView& g) { g.b_bf16 ? gemm_avx512_b<true>(g) : gemm_a
 
 // ---- AVX512-BF16: vdpbf16ps on pairs of the inner dimension ---------------------------------
 // Used when a and b are both bfloat16 (a is then exactly representable, so pairing it back to
-// bf16 loses nothing). a_pairs[m][kp] holds (a[m, 2kp], a[m, 2kp+1]) as two bf16 in one
-// 32-bit lane; two rows of b are interleaved into the same pair layout per 16 columns.
+// bf16 loses nothing). Both operands are packed once per call into the pair layout vdpbf16ps
+// reads: a_pairs[m][kp] = (a[m, 2kp], a[m, 2kp+1]) and b_pairs[kp][n] = (b[2kp, n],
+// b[2kp+1, n]), two bf16 in one 32-bit lane (an odd last k pairs with zero). Packing b costs
+// one pass over it; every row tile then reads it with plain loads.
 
-KT_TARGET_AVX512_BF16 inline __m512i pair_rows(const uint16_t* r0, const uint16_t* r1) {
-  const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
-  const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1)));
-  return _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+KT_TARGET_AVX512_BF16 void pack_b_pairs(const GemmView& g, int64_t kp_count, int64_t n_full, uint32_t* b_pairs) {
+  const uint16_t* b = static_cast<const uint16_t*>(g.b);
+  for (int64_t kp = 0; kp < kp_count; ++kp) {
+    const uint16_t* r0 = b + 2 * kp * g.ldb;
+    const uint16_t* r1 = r0 + g.ldb;
+    const bool has_r1 = 2 * kp + 1 < g.Kd;
+    uint32_t* dst = b_pairs + kp * n_full;
+    for (int64_t n = 0; n < n_full; n += 16) {
+      __m512i pair = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + n)));
+      if (has_r1) {
+        const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + n)));
+        pair = _mm512_or_si512(pair, _mm512_slli_epi32(hi, 16));
+      }
+      _mm512_storeu_si512(dst + n, pair);
+    }
+  }
 }
 
 template <int MR>
-KT_TARGET_AVX512_BF16 void tile_avx512_bf16(const GemmView& g, const uint32_t* a_pairs, int64_t kp_count,
-                                            int64_t m0, int64_t n0) {
+KT_TARGET_AVX512_BF16 void tile_avx512_bf16(const GemmView& g, const uint32_t* a_pairs, const uint32_t* b_pairs,
+                                            int64_t kp_count, int64_t n_full, int64_t m0, int64_t n0) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
-  const uint16_t* b = static_cast<const uint16_t*>(g.b);
+  const uint32_t* a_rows = a_pairs + m0 * kp_count;
+  const uint32_t* b_col = b_pairs + n0;
   for (int64_t kp = 0; kp < kp_count; ++kp) {
-    const uint16_t* r0 = b + 2 * kp * g.ldb + n0;
-    // An odd Kd pairs its last row with zeros (its a pair holds a zero there too).
-    const bool has_r1 = 2 * kp + 1 < g.Kd;
-    __m512i p0, p1;
-    if (has_r1) {
-      p0 = pair_rows(r0, r0 + g.ldb);
-      p1 = pair_rows(r0 + 16, r0 + g.ldb + 16);
-    } else {
-      p0 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0)));
-      p1 = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + 16)));
-    }
+    const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b_col + kp * n_full);
+    const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b_col + kp * n_full + 16);
     for (int i = 0; i < MR; ++i) {
-      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_pairs[(m0 + i) * kp_count + kp]));
-      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, (__m512bh)p0);
-      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, (__m512bh)p1);
+      const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_rows[i * kp_count + kp]));
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
     }
   }
   const __m512 alpha = _mm512_set1_ps(g.alpha);
@@ -234,6 +240,7 @@ KT_TARGET_AVX512_BF16 void tile_avx512_bf16(const GemmView& g, const uint32_t* a
 KT_TARGET_AVX512_BF16 void gemm_avx512_bf16(const GemmView& g) {
   constexpr int NR = 32;
   const int64_t kp_count = (g.Kd + 1) / 2;
+  const int64_t n_full = g.N / NR * NR;
   std::vector<uint32_t> a_pairs(g.M * kp_count);
   for (int64_t m = 0; m < g.M; ++m) {
     for (int64_t kp = 0; kp < kp_count; ++kp) {
@@ -242,20 +249,23 @@ KT_TARGET_AVX512_BF16 void gemm_avx512_bf16(const GemmView& g) {
       a_pairs[m * kp_count + kp] = lo | (hi << 16);
     }
   }
-  const int64_t n_full = g.N / NR * NR;
+  std::vector<uint32_t> b_pairs(kp_count * n_full);
+  pack_b_pairs(g, kp_count, n_full, b_pairs.data());
+  const uint32_t* ap = a_pairs.data();
+  const uint32_t* bp = b_pairs.data();
   int64_t m0 = 0;
   for (; m0 + 8 <= g.M; m0 += 8) {
-    for (int64_t n0 = 0; n0 < n_full; n0 += NR) tile_avx512_bf16<8>(g, a_pairs.data(), kp_count, m0, n0);
+    for (int64_t n0 = 0; n0 < n_full; n0 += NR) tile_avx512_bf16<8>(g, ap, bp, kp_count, n_full, m0, n0);
   }
   for (int64_t n0 = 0; n0 < n_full; n0 += NR) {
     switch (g.M - m0) {
-      case 7: tile_avx512_bf16<7>(g, a_pairs.data(), kp_count, m0, n0); break;
-      case 6: tile_avx512_bf16<6>(g, a_pairs.data(), kp_count, m0, n0); break;
-      case 5: tile_avx512_bf16<5>(g, a_pairs.data(), kp_count, m0, n0); break;
-      case 4: tile_avx512_bf16<4>(g, a_pairs.data(), kp_count, m0, n0); break;
-      case 3: tile_avx512_bf16<3>(g, a_pairs.data(), kp_count, m0, n0); break;
-      case 2: tile_avx512_bf16<2>(g, a_pairs.data(), kp_count, m0, n0); break;
-      case 1: tile_avx512_bf16<1>(g, a_pairs.data(), kp_count, m0, n0); break;
+      case 7: tile_avx512_bf16<7>(g, ap, bp, kp_count, n_full, m0, n0); break;
+      case 6: tile_avx512_bf16<6>(g, ap, bp, kp_count, n_full, m0, n0); break;
+      case 5: tile_avx512_bf16<5>(g, ap, bp, kp_count, n_full, m0, n0); break;
+      case 4: tile_avx512_bf16<4>(g, ap, bp, kp_count, n_full, m0, n0); break;
+      case 3: tile_avx512_bf16<3>(g, ap, bp, kp_count, n_full, m0, n0); break;
+      case 2: tile_avx512_bf16<2>(g, ap, bp, kp_count, n_full, m0, n0); break;
+      case 1: tile_avx512_bf16<1>(g, ap, bp, kp_count, n_full, m0, n0); break;
       default: break;
     }
   }
