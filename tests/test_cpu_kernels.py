@@ -74,6 +74,33 @@ def test_small_gemm_simd_paths_agree_with_the_reference_loop(isa):
         assert ((out - ref).abs() <= tol * (ref.abs() + 1)).all(), out_dtype
 
 
+# ---- thin_gemm_nt: out = x·wᵀ with a thin output ----------------------------------------------
+
+# K around the vector widths (8, 16, 32) and their tails; R around the rank tile (8); odd M.
+THIN_SHAPES = [(1, 1, 1), (3, 5, 7), (2, 8, 32), (5, 9, 33), (4, 3, 100), (65, 8, 2048), (7, 16, 768)]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("shape", THIN_SHAPES, ids=lambda s: "x".join(map(str, s)))
+@pytest.mark.parametrize("in_dtype,out_dtype", [(bf16, bf16), (bf16, f32), (f32, f32), (f32, bf16), (f64, f64)])
+def test_thin_gemm_matches_float64(isa, shape, in_dtype, out_dtype):
+    M, R, K = shape
+    seed = M * 1000 + R * 10 + K
+    x = rand(M, K + 3, dtype=in_dtype, seed=seed)[:, 2:K + 2]  # rows with a larger stride
+    w = rand(R, K, dtype=in_dtype, seed=seed + 1)
+    out = torch.ops.kt._thin_gemm_nt(x, w, out_dtype, isa)
+    assert out.shape == (M, R)
+    assert_close_to(out, x.double() @ w.double().t(), out_dtype, f"thin_gemm {isa}")
+
+
+@pytest.mark.parametrize("isa", [isa_param(i) for i in ISAS if i != "portable"])
+def test_thin_gemm_simd_paths_agree_with_the_reference_loop(isa):
+    x, w = rand(33, 2048 + 7, dtype=bf16, seed=7), rand(8, 2048 + 7, dtype=bf16, seed=8)
+    ref = torch.ops.kt._thin_gemm_nt(x, w, f32, "portable").double()
+    out = torch.ops.kt._thin_gemm_nt(x, w, f32, isa).double()
+    assert ((out - ref).abs() <= 1e-5 * (ref.abs() + 1)).all()
+
+
 # ---- swiglu forward / backward ------------------------------------------------------------------
 
 def swiglu_reference(g, u, dh, w):

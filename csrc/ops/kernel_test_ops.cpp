@@ -5,6 +5,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
+#include "ops/thin_gemm.h"
 
 namespace kt {
 namespace {
@@ -19,6 +20,12 @@ at::Tensor small_gemm_op(const std::optional<at::Tensor>& c, const at::Tensor& a
                          double alpha, at::ScalarType out_dtype, const std::string& isa) {
   at::Tensor out = at::empty({a.size(0), b.size(1)}, a.options().dtype(out_dtype));
   small_gemm(out, c, a, b, alpha, parse_cpu_isa(isa, "isa"));
+  return out;
+}
+
+at::Tensor thin_gemm_op(const at::Tensor& x, const at::Tensor& w, at::ScalarType out_dtype, const std::string& isa) {
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options().dtype(out_dtype));
+  thin_gemm_nt(out, x, w, parse_cpu_isa(isa, "isa"));
   return out;
 }
 
@@ -52,6 +59,7 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_small_gemm", &small_gemm_op);
+  m.impl("_thin_gemm_nt", &thin_gemm_op);
   m.impl("_swiglu_forward", &swiglu_forward_op);
   m.impl("_swiglu_backward", &swiglu_backward_op);
 }

@@ -3,16 +3,30 @@
 #include <c10/util/accumulate.h>
 
 #include <cstdlib>
+#include <string>
 #ifdef __linux__
 #include <sys/mman.h>
 #endif
 
 namespace kt {
 
+namespace {
+
+// KT_OPS_HUGE_PAGES=0 turns the huge-page buffers off (plain at::empty).
+bool huge_pages_enabled() {
+  static const bool enabled = [] {
+    const char* env = std::getenv("KT_OPS_HUGE_PAGES");
+    return !(env && std::string(env) == "0");
+  }();
+  return enabled;
+}
+
+}  // namespace
+
 at::Tensor empty_large(at::IntArrayRef sizes, const at::TensorOptions& options) {
 #ifdef __linux__
   const size_t bytes = c10::multiply_integers(sizes) * c10::elementSize(c10::typeMetaToScalarType(options.dtype()));
-  if (options.device().is_cpu() && bytes >= kHugePageMinBytes) {
+  if (options.device().is_cpu() && bytes >= kHugePageMinBytes && huge_pages_enabled()) {
     constexpr size_t kHugePage = size_t(2) << 20;
     const size_t rounded = (bytes + kHugePage - 1) / kHugePage * kHugePage;
     void* p = nullptr;

@@ -16,6 +16,7 @@
 #include "ops/moe_common.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
+#include "ops/thin_gemm.h"
 
 namespace kt {
 namespace {
@@ -30,12 +31,13 @@ enum Grad : int {
 // projection's input is known), the weights' after.
 
 // d_in += d_out·W[e] + s·(d_out·B[e])·A[e] (d_in created when undefined). Returns
-// q = d_out·B[e] [n, r] when there is LoRA and need_q (dA needs it), else undefined.
+// q = d_out·B[e] [n, r] when there is LoRA and need_q (dA needs it), else undefined. B comes
+// transposed (b_t [E, r, out]) so that q is a row-by-row dot product (thin_gemm_nt).
 at::Tensor input_backward(const at::Tensor& d_out, const at::Tensor& w, const std::optional<at::Tensor>& a,
-                          const std::optional<at::Tensor>& b, double s, int64_t e, bool need_in, bool need_q,
+                          const std::optional<at::Tensor>& b_t, double s, int64_t e, bool need_in, bool need_q,
                           at::Tensor& d_in) {
   at::Tensor q;
-  if (a.has_value() && (need_in || need_q)) q = at::mm(d_out, (*b)[e]);
+  if (a.has_value() && (need_in || need_q)) q = thin_gemm_nt(d_out, (*b_t)[e]);
   if (need_in) {
     if (d_in.defined()) {
       d_in.addmm_(d_out, w[e]);
@@ -59,7 +61,7 @@ void weight_backward(const at::Tensor& d_out, const at::Tensor& in, const at::Te
                      const std::optional<at::Tensor>& a, double s, int64_t e, const ProjectionGrads& pg) {
   if (pg.need_w) pg.grad_w[e].addmm_(d_out.t(), in, /*beta=*/0.0, /*alpha=*/1.0);
   if (pg.need_b) {
-    const at::Tensor in_a = at::mm(in, (*a)[e].t());  // [n, r]
+    const at::Tensor in_a = thin_gemm_nt(in, (*a)[e]);  // [n, r]
     at::Tensor grad_b_t = at::empty({in_a.size(1), d_out.size(1)}, d_out.options().dtype(accumulate_type(d_out.scalar_type())));
     small_gemm(grad_b_t, std::nullopt, in_a.t(), d_out, s);
     pg.grad_b[e].copy_(grad_b_t.t());
@@ -124,6 +126,9 @@ std::vector<at::Tensor> moe_backward_cpu(
       if (need(Grad(g))) grads[g][e].zero_();
     }
   }
+  const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
+  const auto up_b_t = transposed_lora_b(in.lora.up_b);
+  const auto down_b_t = transposed_lora_b(in.lora.down_b);
   at::Tensor dx_rows = need(kHidden) ? empty_large({N, H}, in.x.options().dtype(acc)) : at::Tensor();
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 
@@ -139,7 +144,7 @@ std::vector<at::Tensor> moe_backward_cpu(
     // routing weight) and, with hw = w·h as its input, its weight gradients are exactly
     // those of (w·dy) and h: (w·dy)ᵀ·h = dyᵀ·(w·h).
     at::Tensor dh_unweighted;
-    const at::Tensor q_down = input_backward(dy, in.down, in.lora.down_a, in.lora.down_b, s, e, /*need_in=*/true,
+    const at::Tensor q_down = input_backward(dy, in.down, in.lora.down_a, down_b_t, s, e, /*need_in=*/true,
                                              need(kDownA), dh_unweighted);
     SwigluBackwardOut sw;
     sw.dg = at::empty({padded, I}, in.x.options());
@@ -153,9 +158,9 @@ std::vector<at::Tensor> moe_backward_cpu(
 
     const at::Tensor x = need_x ? gather_rows_padded(in.x, tokens, padded) : at::Tensor();
     at::Tensor dx;
-    const at::Tensor q_gate = input_backward(sw.dg, in.gate, in.lora.gate_a, in.lora.gate_b, s, e, need(kHidden),
+    const at::Tensor q_gate = input_backward(sw.dg, in.gate, in.lora.gate_a, gate_b_t, s, e, need(kHidden),
                                              need(kGateA), dx);
-    const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, in.lora.up_b, s, e, need(kHidden),
+    const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, up_b_t, s, e, need(kHidden),
                                            need(kUpA), dx);
     if (need(kHidden)) dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
     weight_backward(sw.dg, x, q_gate, in.lora.gate_a, s, e,

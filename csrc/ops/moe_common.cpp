@@ -1,6 +1,7 @@
 #include "ops/moe_common.h"
 
 #include "ops/small_gemm.h"
+#include "ops/thin_gemm.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -94,7 +95,7 @@ at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype
 at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
                        const std::optional<at::Tensor>& b_t, double scale) {
   at::Tensor out = at::mm(in, w.t());
-  if (a.has_value()) small_gemm(out, out, at::mm(in, a->t()), *b_t, scale);
+  if (a.has_value()) small_gemm(out, out, thin_gemm_nt(in, *a), *b_t, scale);
   return out;
 }
 

@@ -82,6 +82,7 @@ TORCH_LIBRARY(kt, m) {
   // The fused kernels on their own, with an explicit path, so that tests compare every path
   // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
+  m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_swiglu_forward(Tensor g, Tensor u, str isa) -> Tensor");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "

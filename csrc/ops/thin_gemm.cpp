@@ -1,0 +1,206 @@
+// Kernels of thin_gemm_nt (see thin_gemm.h): the reference loop, then one kernel per
+// instruction set. The SIMD kernels keep MR rows of x × RJ rows of w as MR·RJ vector
+// accumulators, walk K once with masked loads for the tail, and reduce each accumulator to
+// one output at the end.
+#include "ops/thin_gemm.h"
+
+#include "ops/simd.h"
+
+namespace kt {
+namespace {
+
+struct ThinView {
+  int64_t M, R, K;
+  const void* x;
+  int64_t ldx;
+  const void* w;
+  int64_t ldw;
+  bool in_bf16;  // x and w have the same dtype in the SIMD kernels
+  void* out;
+  int64_t ldo;
+  bool out_bf16;
+};
+
+inline float load_scalar(const void* p, bool bf16, int64_t i) {
+  return bf16 ? simd::bf16_to_float(static_cast<const uint16_t*>(p)[i]) : static_cast<const float*>(p)[i];
+}
+
+inline void store_out(const ThinView& v, int64_t m, int64_t r, float value) {
+  if (v.out_bf16) {
+    static_cast<uint16_t*>(v.out)[m * v.ldo + r] = simd::float_to_bf16(value);
+  } else {
+    static_cast<float*>(v.out)[m * v.ldo + r] = value;
+  }
+}
+
+void thin_reference(const ThinView& v) {
+  for (int64_t m = 0; m < v.M; ++m) {
+    for (int64_t r = 0; r < v.R; ++r) {
+      float acc = 0.f;
+      for (int64_t k = 0; k < v.K; ++k) {
+        acc += load_scalar(v.x, v.in_bf16, m * v.ldx + k) * load_scalar(v.w, v.in_bf16, r * v.ldw + k);
+      }
+      store_out(v, m, r, acc);
+    }
+  }
+}
+
+// Runs tile<MR, RJ>(v, m0, r0) over all (row, rank) tiles: MR rows (MR or 1 for the tail)
+// and RJ ranks (up to 8; the rank tail picks RJ at run time).
+template <template <int, int> class Tile>
+void for_each_tile(const ThinView& v) {
+  constexpr int MR = 2;
+  for (int64_t m0 = 0; m0 < v.M; m0 += MR) {
+    const bool two = m0 + 1 < v.M;
+    for (int64_t r0 = 0; r0 < v.R; r0 += 8) {
+      switch (std::min<int64_t>(8, v.R - r0) + (two ? 0 : 8)) {
+        case 1: Tile<2, 1>::run(v, m0, r0); break;
+        case 2: Tile<2, 2>::run(v, m0, r0); break;
+        case 3: Tile<2, 3>::run(v, m0, r0); break;
+        case 4: Tile<2, 4>::run(v, m0, r0); break;
+        case 5: Tile<2, 5>::run(v, m0, r0); break;
+        case 6: Tile<2, 6>::run(v, m0, r0); break;
+        case 7: Tile<2, 7>::run(v, m0, r0); break;
+        case 8: Tile<2, 8>::run(v, m0, r0); break;
+        case 9: Tile<1, 1>::run(v, m0, r0); break;
+        case 10: Tile<1, 2>::run(v, m0, r0); break;
+        case 11: Tile<1, 3>::run(v, m0, r0); break;
+        case 12: Tile<1, 4>::run(v, m0, r0); break;
+        case 13: Tile<1, 5>::run(v, m0, r0); break;
+        case 14: Tile<1, 6>::run(v, m0, r0); break;
+        case 15: Tile<1, 7>::run(v, m0, r0); break;
+        case 16: Tile<1, 8>::run(v, m0, r0); break;
+        default: break;
+      }
+    }
+  }
+}
+
+// ---- AVX512-BF16: 32 bf16 per step, vdpbf16ps straight on the rows -------------------------
+
+template <int MR, int RJ>
+struct TileAvx512Bf16 {
+  KT_TARGET_AVX512_BF16 static void run(const ThinView& v, int64_t m0, int64_t r0) {
+    const uint16_t* x = static_cast<const uint16_t*>(v.x);
+    const uint16_t* w = static_cast<const uint16_t*>(v.w);
+    __m512 acc[MR][RJ];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < v.K; k += 32) {
+      const __mmask32 mask = v.K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (v.K - k)) - 1;
+      __m512bh xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + i) * v.ldx + k);
+      for (int j = 0; j < RJ; ++j) {
+        const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (r0 + j) * v.ldw + k);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < RJ; ++j) store_out(v, m0 + i, r0 + j, _mm512_reduce_add_ps(acc[i][j]));
+  }
+};
+
+// ---- AVX-512: 16 floats per step -------------------------------------------------------------
+
+KT_TARGET_AVX512 inline __m512 masked_load16(const void* p, bool bf16, int64_t i, __mmask16 mask) {
+  if (bf16) {
+    const __m256i raw = _mm256_maskz_loadu_epi16(mask, static_cast<const uint16_t*>(p) + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+  }
+  return _mm512_maskz_loadu_ps(mask, static_cast<const float*>(p) + i);
+}
+
+template <int MR, int RJ>
+struct TileAvx512 {
+  KT_TARGET_AVX512 static void run(const ThinView& v, int64_t m0, int64_t r0) {
+    __m512 acc[MR][RJ];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k = 0; k < v.K; k += 16) {
+      const __mmask16 mask = v.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (v.K - k)) - 1);
+      __m512 xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = masked_load16(v.x, v.in_bf16, (m0 + i) * v.ldx + k, mask);
+      for (int j = 0; j < RJ; ++j) {
+        const __m512 wv = masked_load16(v.w, v.in_bf16, (r0 + j) * v.ldw + k, mask);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < RJ; ++j) store_out(v, m0 + i, r0 + j, _mm512_reduce_add_ps(acc[i][j]));
+  }
+};
+
+// ---- AVX2: 8 floats per step, the K tail through the reference formula ---------------------
+
+KT_TARGET_AVX2 inline __m256 load8(const void* p, bool bf16, int64_t i) {
+  return bf16 ? simd::load8_bf16(static_cast<const uint16_t*>(p) + i) : _mm256_loadu_ps(static_cast<const float*>(p) + i);
+}
+
+template <int MR, int RJ>
+struct TileAvx2 {
+  KT_TARGET_AVX2 static void run(const ThinView& v, int64_t m0, int64_t r0) {
+    __m256 acc[MR][RJ];
+    for (int i = 0; i < MR; ++i)
+      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
+    const int64_t k_full = v.K / 8 * 8;
+    for (int64_t k = 0; k < k_full; k += 8) {
+      __m256 xv[MR];
+      for (int i = 0; i < MR; ++i) xv[i] = load8(v.x, v.in_bf16, (m0 + i) * v.ldx + k);
+      for (int j = 0; j < RJ; ++j) {
+        const __m256 wv = load8(v.w, v.in_bf16, (r0 + j) * v.ldw + k);
+        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+      }
+    }
+    for (int i = 0; i < MR; ++i) {
+      for (int j = 0; j < RJ; ++j) {
+        float sum = simd::hsum8(acc[i][j]);
+        for (int64_t k = k_full; k < v.K; ++k) {
+          sum += load_scalar(v.x, v.in_bf16, (m0 + i) * v.ldx + k) * load_scalar(v.w, v.in_bf16, (r0 + j) * v.ldw + k);
+        }
+        store_out(v, m0 + i, r0 + j, sum);
+      }
+    }
+  }
+};
+
+bool is_f32_or_bf16(const at::Tensor& t) {
+  return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
+}
+
+}  // namespace
+
+void thin_gemm_nt(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, CpuIsa isa) {
+  TORCH_CHECK(x.dim() == 2 && w.dim() == 2 && out.dim() == 2 && x.size(1) == w.size(1) &&
+                  out.size(0) == x.size(0) && out.size(1) == w.size(0),
+              "thin_gemm_nt: shapes do not match");
+  const bool fast = is_f32_or_bf16(out) && is_f32_or_bf16(x) && x.scalar_type() == w.scalar_type() &&
+                    x.stride(1) == 1 && w.stride(1) == 1 && out.stride(1) == 1;
+  if (!fast) {
+    out.copy_(at::mm(x.to(out.scalar_type()), w.to(out.scalar_type()).t()));
+    return;
+  }
+  ThinView v{x.size(0), w.size(0), x.size(1), x.const_data_ptr(), x.stride(0), w.const_data_ptr(), w.stride(0),
+             x.scalar_type() == at::kBFloat16, out.mutable_data_ptr(), out.stride(0),
+             out.scalar_type() == at::kBFloat16};
+  if (v.M == 0 || v.R == 0) return;
+  switch (isa) {
+    case CpuIsa::kAvx512Bf16:
+      if (v.in_bf16) return for_each_tile<TileAvx512Bf16>(v);
+      return for_each_tile<TileAvx512>(v);
+    case CpuIsa::kAvx512: return for_each_tile<TileAvx512>(v);
+    case CpuIsa::kAvx2: return for_each_tile<TileAvx2>(v);
+    case CpuIsa::kPortable: return thin_reference(v);
+  }
+}
+
+void thin_gemm_nt(at::Tensor& out, const at::Tensor& x, const at::Tensor& w) {
+  thin_gemm_nt(out, x, w, active_cpu_isa());
+}
+
+at::Tensor thin_gemm_nt(const at::Tensor& x, const at::Tensor& w) {
+  at::Tensor out = at::empty({x.size(0), w.size(0)}, x.options());
+  thin_gemm_nt(out, x, w);
+  return out;
+}
+
+}  // namespace kt
