@@ -1,8 +1,9 @@
-// Ops that expose the instruction-set switch and the fused kernels one by one (schemas in
+// Ops that expose the instruction-set and weight-packing switches and the fused kernels one by one (schemas in
 // registration.cpp). Tests use them to run every path on one machine.
 #include <torch/library.h>
 
 #include "ops/cpu_isa.h"
+#include "ops/packed_weights.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
 #include "ops/thin_gemm.h"
@@ -55,6 +56,9 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_cpu_isa", &cpu_isa);
   m.impl("_best_cpu_isa", &best_isa);
   m.impl("_set_cpu_isa", &set_cpu_isa);
+  m.impl("_set_weight_packing", &set_weight_packing);
+  m.impl("_weight_packing_enabled", &weight_packing_enabled);
+  m.impl("_packed_weights_info", &packed_weights_info);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

@@ -92,11 +92,9 @@ at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype
   return out;
 }
 
-at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
-                       const std::optional<at::Tensor>& b_t, double scale) {
-  at::Tensor out = at::mm(in, w.t());
+void add_lora(at::Tensor& out, const at::Tensor& in, const std::optional<at::Tensor>& a,
+              const std::optional<at::Tensor>& b_t, double scale) {
   if (a.has_value()) small_gemm(out, out, thin_gemm_nt(in, *a), *b_t, scale);
-  return out;
 }
 
 std::optional<at::Tensor> transposed_lora_b(const std::optional<at::Tensor>& b) {

@@ -51,10 +51,11 @@ inline std::optional<at::Tensor> expert_slice(const std::optional<at::Tensor>& t
   return t.has_value() ? std::optional<at::Tensor>(t->select(0, e)) : std::nullopt;
 }
 
-// out = in·Wᵀ + s·(in·Aᵀ)·Bᵀ for one expert (W [out, in], A [r, in], B given transposed as
-// b_t [r, out]); the rank-r update runs in small_gemm (fused into one pass over out).
-at::Tensor lora_linear(const at::Tensor& in, const at::Tensor& w, const std::optional<at::Tensor>& a,
-                       const std::optional<at::Tensor>& b_t, double scale);
+// out += s·(in·Aᵀ)·Bᵀ for one expert (A [r, in], B given transposed as b_t [r, out]); nothing
+// without LoRA. The rank-r GEMMs are our thin kernels (thin_gemm_nt, small_gemm); out may be a
+// column slice (rows contiguous).
+void add_lora(at::Tensor& out, const at::Tensor& in, const std::optional<at::Tensor>& a,
+              const std::optional<at::Tensor>& b_t, double scale);
 
 // [E, out, r] -> [E, r, out] contiguous (the layout small_gemm reads B in); nullopt stays.
 std::optional<at::Tensor> transposed_lora_b(const std::optional<at::Tensor>& b);

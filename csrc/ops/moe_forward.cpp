@@ -3,13 +3,16 @@
 // Per expert block (rows of the tokens routed to one expert, see routing.h):
 //   g = x·Wgᵀ + s·(x·Agᵀ)·Bgᵀ,  u = x·Wuᵀ + s·(x·Auᵀ)·Buᵀ,  h = silu(g)·u,
 //   o = h·Wdᵀ + s·(h·Adᵀ)·Bdᵀ
-// and then y[t] = Σ_j w[t, j]·o[t, j] in fixed slot order. GEMMs are ATen's (oneDNN/MKL),
+// and then y[t] = Σ_j w[t, j]·o[t, j] in fixed slot order. Base GEMMs are oneDNN's, on
+// pre-packed weights with gate|up fused into one GEMM when the weights stay unchanged
+// (packed_weights.h), else ATen's at::mm;
 // one thread each, blocks spread over torch's intra-op threads; the rank-r LoRA updates
 // (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own.
 #include <torch/library.h>
 
 #include "ops/large_alloc.h"
 #include "ops/moe_common.h"
+#include "ops/packed_weights.h"
 #include "ops/swiglu.h"
 
 namespace kt {
@@ -20,7 +23,7 @@ namespace {
 constexpr int64_t kForwardBlockRows = 256;
 
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
-  at::Tensor h = at::empty_like(g);
+  at::Tensor h = at::empty(g.sizes(), g.options());
   swiglu_forward(g, u, h);
   return h;
 }
@@ -44,6 +47,9 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
   const int64_t N = routing.num_pairs();
 
+  // oneDNN-packed base weights once they have stayed the same for a few calls (see
+  // packed_weights.h); nullptr: plain at::mm on the weights as they are.
+  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down);
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
@@ -53,16 +59,24 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
     const at::Tensor x_e = gather_rows_padded(in.x, routing.sorted_tokens.narrow(0, blk.begin, n), padded_rows(n));
-    const at::Tensor g = lora_linear(x_e, in.gate[e], expert_slice(in.lora.gate_a, e),
-                                     expert_slice(gate_b_t, e), in.scale);
-    const at::Tensor u = lora_linear(x_e, in.up[e], expert_slice(in.lora.up_a, e),
-                                     expert_slice(up_b_t, e), in.scale);
+    at::Tensor g, u;  // [p, I] each; column halves of one [p, 2I] result on packed weights
+    if (packed) {
+      const at::Tensor gu = packed_linear(x_e, packed->gate_up[e]);
+      g = gu.narrow(1, 0, I);
+      u = gu.narrow(1, I, I);
+    } else {
+      g = at::mm(x_e, in.gate[e].t());
+      u = at::mm(x_e, in.up[e].t());
+    }
+    add_lora(g, x_e, expert_slice(in.lora.gate_a, e), expert_slice(gate_b_t, e), in.scale);
+    add_lora(u, x_e, expert_slice(in.lora.up_a, e), expert_slice(up_b_t, e), in.scale);
     if (save_activations) {
       activations[0].narrow(0, blk.begin, n).copy_(g.narrow(0, 0, n));
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
-    const at::Tensor o = lora_linear(swiglu(g, u), in.down[e], expert_slice(in.lora.down_a, e),
-                                     expert_slice(down_b_t, e), in.scale);
+    const at::Tensor h = swiglu(g, u);
+    at::Tensor o = packed ? packed_linear(h, packed->down[e]) : at::mm(h, in.down[e].t());
+    add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
     expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));
   });
 

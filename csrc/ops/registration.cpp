@@ -79,6 +79,10 @@ TORCH_LIBRARY(kt, m) {
   m.def("_cpu_isa() -> str");
   m.def("_best_cpu_isa() -> str");
   m.def("_set_cpu_isa(str isa) -> ()");
+  // Pre-packed expert weights (csrc/ops/packed_weights.h): switch, and {sets, bytes} cached.
+  m.def("_set_weight_packing(bool enabled) -> ()");
+  m.def("_weight_packing_enabled() -> bool");
+  m.def("_packed_weights_info() -> int[]");
   // The fused kernels on their own, with an explicit path, so that tests compare every path
   // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
