@@ -228,8 +228,9 @@ def parse_args(argv=None):
                         f"{REFERENCE}, the correctness reference, always run)")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed steps per impl (default 5; --quick 3); decode cases run 4x")
-    p.add_argument("--warmup", type=int, default=1,
-                   help="untimed steps per impl after the correctness call (default 1)")
+    p.add_argument("--warmup", type=int, default=2,
+                   help="untimed steps per impl after the correctness call (default 2: with it, "
+                        "the three calls after which kt.moe packs weights that stay unchanged)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch.set_num_threads, also kt-kernel's thread count (default: "
                         "torch's default)")
