@@ -113,3 +113,16 @@ def test_inference_tensors_work_and_are_not_packed():
     assert packed_weights_info()["sets"] == 0
     ref_out, _ = run_reference(inputs(mode="inference"), None)
     assert rel_err(outs[-1], ref_out) < TOLERANCE[torch.bfloat16]
+
+
+def test_budget_zero_never_packs():
+    import subprocess
+    import sys
+    code = ("import kt_ops, sys; sys.path.insert(0, 'tests'); from moe_samples import make_moe_inputs\n"
+            "kw = make_moe_inputs(T_shape=(8,), H=64, I=48, E=4, K=2, r=2, dtype=__import__('torch').bfloat16, mode='lora')\n"
+            "[kt_ops.moe(**kw) for _ in range(5)]\n"
+            "print(kt_ops.packed_weights_info()['sets'])")
+    env = dict(__import__("os").environ, KT_OPS_PACK_WEIGHTS_BUDGET_MB="0")
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    assert res.stdout.strip() == "0"

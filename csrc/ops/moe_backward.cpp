@@ -14,6 +14,7 @@
 
 #include "ops/large_alloc.h"
 #include "ops/moe_common.h"
+#include "ops/packed_weights.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
 #include "ops/thin_gemm.h"
@@ -30,16 +31,19 @@ enum Grad : int {
 // in two halves: the input's gradient first (the SwiGLU backward needs it before the down
 // projection's input is known), the weights' after.
 
-// d_in += d_out·W[e] + s·(d_out·B[e])·A[e] (d_in created when undefined). Returns
+// d_in += d_out·W[e] + s·(d_out·B[e])·A[e] (d_in created when undefined; base_done: the
+// d_out·W[e] term is in d_in already). Returns
 // q = d_out·B[e] [n, r] when there is LoRA and need_q (dA needs it), else undefined. B comes
 // transposed (b_t [E, r, out]) so that q is a row-by-row dot product (thin_gemm_nt).
 at::Tensor input_backward(const at::Tensor& d_out, const at::Tensor& w, const std::optional<at::Tensor>& a,
                           const std::optional<at::Tensor>& b_t, double s, int64_t e, bool need_in, bool need_q,
-                          at::Tensor& d_in) {
+                          at::Tensor& d_in, bool base_done = false) {
   at::Tensor q;
   if (a.has_value() && (need_in || need_q)) q = thin_gemm_nt(d_out, (*b_t)[e]);
   if (need_in) {
-    if (d_in.defined()) {
+    if (base_done) {
+      // d_out·W[e] is already in d_in (a GEMM on packed weights, see the block below)
+    } else if (d_in.defined()) {
       d_in.addmm_(d_out, w[e]);
     } else {
       d_in = at::mm(d_out, w[e]);
@@ -129,6 +133,8 @@ std::vector<at::Tensor> moe_backward_cpu(
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
+  // The transposed packed weights when forward packed these weights (packed_weights.h).
+  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/false);
   at::Tensor dx_rows = need(kHidden) ? empty_large({N, H}, in.x.options().dtype(acc)) : at::Tensor();
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 
@@ -144,11 +150,14 @@ std::vector<at::Tensor> moe_backward_cpu(
     // routing weight) and, with hw = w·h as its input, its weight gradients are exactly
     // those of (w·dy) and h: (w·dy)ᵀ·h = dyᵀ·(w·h).
     at::Tensor dh_unweighted;
+    if (packed) dh_unweighted = packed_linear(dy, packed->down_t[e]);
     const at::Tensor q_down = input_backward(dy, in.down, in.lora.down_a, down_b_t, s, e, /*need_in=*/true,
-                                             need(kDownA), dh_unweighted);
+                                             need(kDownA), dh_unweighted, /*base_done=*/bool(packed));
+    // dg and du side by side, so that on packed weights one GEMM gives dx = [dg | du]·[Wg; Wu].
+    const at::Tensor dgu = at::empty({padded, 2 * I}, in.x.options());
     SwigluBackwardOut sw;
-    sw.dg = at::empty({padded, I}, in.x.options());
-    sw.du = at::empty({padded, I}, in.x.options());
+    sw.dg = dgu.narrow(1, 0, I);
+    sw.du = dgu.narrow(1, I, I);
     if (need_scaled_dy) sw.hw = at::empty({padded, I}, in.x.options());
     if (need(kWeights)) sw.dw = dw_rows.narrow(0, blk.begin, n);
     swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw);
@@ -158,10 +167,12 @@ std::vector<at::Tensor> moe_backward_cpu(
 
     const at::Tensor x = need_x ? gather_rows_padded(in.x, tokens, padded) : at::Tensor();
     at::Tensor dx;
+    const bool fused_dx = packed && need(kHidden);
+    if (fused_dx) dx = packed_linear(dgu, packed->gate_up_t[e]);
     const at::Tensor q_gate = input_backward(sw.dg, in.gate, in.lora.gate_a, gate_b_t, s, e, need(kHidden),
-                                             need(kGateA), dx);
+                                             need(kGateA), dx, fused_dx);
     const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, up_b_t, s, e, need(kHidden),
-                                           need(kUpA), dx);
+                                           need(kUpA), dx, fused_dx);
     if (need(kHidden)) dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
     weight_backward(sw.dg, x, q_gate, in.lora.gate_a, s, e,
                     {need(kGate), need(kGateA), need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]});

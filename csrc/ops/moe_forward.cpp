@@ -49,7 +49,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
 
   // oneDNN-packed base weights once they have stayed the same for a few calls (see
   // packed_weights.h); nullptr: plain at::mm on the weights as they are.
-  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down);
+  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/true);
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);

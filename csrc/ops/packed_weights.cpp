@@ -9,6 +9,8 @@
 #include <mutex>
 #include <string>
 
+#include <unistd.h>
+
 namespace kt {
 namespace {
 
@@ -78,19 +80,44 @@ at::Tensor pack_linear_weight(const at::Tensor& w) {
   return stack[0].toTensor();
 }
 
+// Two packed copies (forward and backward layouts) of all three weights.
+int64_t packed_bytes(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
+  return 2 * (gate.numel() + up.numel() + down.numel()) * gate.element_size();
+}
+
 std::shared_ptr<const PackedExperts> pack(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
   const int64_t E = gate.size(0);
   auto packed = std::make_shared<PackedExperts>();
   packed->gate_up.resize(E);
   packed->down.resize(E);
+  packed->gate_up_t.resize(E);
+  packed->down_t.resize(E);
   at::parallel_for(0, E, 1, [&](int64_t e0, int64_t e1) {
     for (int64_t e = e0; e < e1; ++e) {
-      packed->gate_up[e] = pack_linear_weight(at::cat({gate[e], up[e]}, 0));
+      const at::Tensor gate_up = at::cat({gate[e], up[e]}, 0);
+      packed->gate_up[e] = pack_linear_weight(gate_up);
       packed->down[e] = pack_linear_weight(down[e]);
+      packed->gate_up_t[e] = pack_linear_weight(gate_up.t().contiguous());
+      packed->down_t[e] = pack_linear_weight(down[e].t().contiguous());
     }
   });
-  packed->bytes = (gate.numel() + up.numel() + down.numel()) * gate.element_size();
+  packed->bytes = packed_bytes(gate, up, down);
   return packed;
+}
+
+int64_t packing_budget_bytes() {
+  static const int64_t budget = []() -> int64_t {
+    if (const char* env = std::getenv("KT_OPS_PACK_WEIGHTS_BUDGET_MB")) return int64_t(std::atoll(env)) << 20;
+    const long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGE_SIZE);
+    return pages > 0 && page > 0 ? int64_t(pages) * page / 4 : int64_t(0);
+  }();
+  return budget;
+}
+
+int64_t cached_bytes() {  // callers hold cache_mutex
+  int64_t bytes = 0;
+  for (const Entry& e : cache) bytes += e.packed ? e.packed->bytes : 0;
+  return bytes;
 }
 
 bool packable(const at::Tensor& gate) {
@@ -103,7 +130,7 @@ bool packable(const at::Tensor& gate) {
 std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, const at::Tensor& up,
                                                     const at::Tensor& down, const at::Tensor& gate_contiguous,
                                                     const at::Tensor& up_contiguous,
-                                                    const at::Tensor& down_contiguous) {
+                                                    const at::Tensor& down_contiguous, bool forward_call) {
   if (!packable(gate)) return nullptr;
   auto kg = WeightKey::of(gate), ku = WeightKey::of(up), kd = WeightKey::of(down);
   if (!kg || !ku || !kd) return nullptr;
@@ -115,15 +142,16 @@ std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, cons
   for (Entry& entry : cache) {
     if (entry.keys[0].storage.lock().get() != kg->storage.lock().get() || entry.keys[0].data != kg->data) continue;
     if (entry.keys[0].same_as(*kg) && entry.keys[1].same_as(*ku) && entry.keys[2].same_as(*kd)) {
-      if (!entry.packed && ++entry.calls >= kPackAfterCalls) {
+      if (forward_call && !entry.packed && ++entry.calls >= kPackAfterCalls &&
+          cached_bytes() + packed_bytes(gate, up, down) <= packing_budget_bytes()) {
         entry.packed = pack(gate_contiguous, up_contiguous, down_contiguous);
       }
       return entry.packed;
     }
-    entry = Entry{{*kg, *ku, *kd}, 1, nullptr};  // changed weights: drop the stale copy
+    entry = Entry{{*kg, *ku, *kd}, forward_call ? 1 : 0, nullptr};  // changed weights: drop the stale copy
     return nullptr;
   }
-  cache.push_back(Entry{{*kg, *ku, *kd}, 1, nullptr});
+  cache.push_back(Entry{{*kg, *ku, *kd}, forward_call ? 1 : 0, nullptr});
   return nullptr;
 }
 
