@@ -360,9 +360,17 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
             x.grad = None
             for t in wt.values():
                 t.grad = None
+            if mode == "full":
+                # Full fine-tuning updates the base weights in place every step (optimizer):
+                # bump their version counters as that would, so that kt.moe sees changed weights
+                # and never uses pre-packed copies, as in real training.
+                for n in BASE:
+                    torch.autograd.graph.increment_version(wt[n])
 
         def grads():
             return {"hidden": x.grad, **{n: wt[n].grad for n in trained}}
+
+        close = kt_ops.release_packed_weights  # the packed copies must not outlive the impl
 
     elif name in ("sorted-mm", "grouped-mm"):
         cls = SortedMoE if name == "sorted-mm" else GroupedMMMoE

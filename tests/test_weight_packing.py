@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import kt_ops
-from kt_ops.weight_packing import packed_weights_info, set_weight_packing, weight_packing_enabled
+from kt_ops.weight_packing import (packed_weights_info, release_packed_weights, set_weight_packing,
+                                   weight_packing_enabled)
 from moe_samples import make_moe_inputs
 from moe_testing import TOLERANCE, grad_output_for, rel_err, run_op, run_reference
 
@@ -90,6 +91,18 @@ def test_freed_weights_are_forgotten():
     assert packed_weights_info()["sets"] == 0
     other = inputs(seed=1)  # may reuse the freed addresses: must not be mistaken for them
     assert_matches_reference(other)
+
+
+def test_release_drops_copies_and_repacks():
+    kwargs = inputs()
+    for _ in range(PACK_AFTER):
+        kt_ops.moe(**kwargs)
+    assert packed_weights_info()["sets"] == 1
+    release_packed_weights()
+    assert packed_weights_info() == {"sets": 0, "bytes": 0}
+    for _ in range(PACK_AFTER):
+        assert_matches_reference(kwargs)
+    assert packed_weights_info()["sets"] == 1
 
 
 def test_switched_off_and_non_bf16_are_not_packed():

@@ -59,6 +59,7 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_set_weight_packing", &set_weight_packing);
   m.impl("_weight_packing_enabled", &weight_packing_enabled);
   m.impl("_packed_weights_info", &packed_weights_info);
+  m.impl("_release_packed_weights", &release_packed_weights);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

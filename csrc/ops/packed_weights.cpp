@@ -114,6 +114,14 @@ int64_t packing_budget_bytes() {
   return budget;
 }
 
+// Drops the entries (and packed copies) of weights that were freed; callers hold cache_mutex.
+// Runs on every kt.moe call and every packed_weights_info().
+void forget_freed_weights() {
+  cache.erase(std::remove_if(cache.begin(), cache.end(),
+                             [](const Entry& e) { return !(e.keys[0].alive() && e.keys[1].alive() && e.keys[2].alive()); }),
+              cache.end());
+}
+
 int64_t cached_bytes() {  // callers hold cache_mutex
   int64_t bytes = 0;
   for (const Entry& e : cache) bytes += e.packed ? e.packed->bytes : 0;
@@ -135,10 +143,7 @@ std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, cons
   auto kg = WeightKey::of(gate), ku = WeightKey::of(up), kd = WeightKey::of(down);
   if (!kg || !ku || !kd) return nullptr;
   std::lock_guard<std::mutex> lock(cache_mutex);
-  // Forget weights that were freed.
-  cache.erase(std::remove_if(cache.begin(), cache.end(),
-                             [](const Entry& e) { return !(e.keys[0].alive() && e.keys[1].alive() && e.keys[2].alive()); }),
-              cache.end());
+  forget_freed_weights();
   for (Entry& entry : cache) {
     if (entry.keys[0].storage.lock().get() != kg->storage.lock().get() || entry.keys[0].data != kg->data) continue;
     if (entry.keys[0].same_as(*kg) && entry.keys[1].same_as(*ku) && entry.keys[2].same_as(*kd)) {
@@ -172,8 +177,14 @@ void set_weight_packing(bool enabled) {
 
 bool weight_packing_enabled() { return packing_flag().load(); }
 
+void release_packed_weights() {
+  std::lock_guard<std::mutex> lock(cache_mutex);
+  cache.clear();
+}
+
 std::vector<int64_t> packed_weights_info() {
   std::lock_guard<std::mutex> lock(cache_mutex);
+  forget_freed_weights();
   int64_t sets = 0, bytes = 0;
   for (const Entry& e : cache) {
     if (e.packed && e.keys[0].alive()) {

@@ -49,6 +49,9 @@ std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, cons
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_w);
 
 void set_weight_packing(bool enabled);  // false also drops every packed copy
+// Drops every packed copy now (they are re-packed after kPackAfterCalls forward calls). The
+// copies of freed weights are dropped by the next kt.moe call or packed_weights_info().
+void release_packed_weights();
 bool weight_packing_enabled();
 // {number of packed weight sets, their bytes}
 std::vector<int64_t> packed_weights_info();
