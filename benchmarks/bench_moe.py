@@ -163,6 +163,11 @@ def build_impls(mode: str, prob: Dict[str, torch.Tensor], args):
         kt_x.grad = None
         for t in kt_w.values():
             t.grad = None
+        if mode == "full":
+            # Full fine-tuning updates the base weights in place every step: bump their version
+            # counters as an optimizer step would, so kt.moe never uses pre-packed copies here.
+            for n in BASE:
+                torch.autograd.graph.increment_version(kt_w[n])
 
     def loop_reset():
         loop_x.grad = None

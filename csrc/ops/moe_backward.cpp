@@ -110,9 +110,8 @@ std::vector<at::Tensor> moe_backward_cpu(
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.size(1);
 
-  // Gradients of the expert weights: every expert with rows writes its whole slice, so only
-  // the experts without rows are zeroed (zero-filling the stacked gradients cost more than the
-  // backward itself in full mode at decode sizes).
+  // Gradients of the expert weights, zero-filled (zeros_large: fresh zero pages, so the
+  // experts that got no rows cost nothing); every expert with rows overwrites its slice.
   std::array<at::Tensor, kNumGrads> grads;
   const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate, &in.up, &in.down,
                                            lora.has_gate() ? &*in.lora.gate_a : nullptr,
@@ -122,20 +121,14 @@ std::vector<at::Tensor> moe_backward_cpu(
                                            lora.has_down() ? &*in.lora.down_a : nullptr,
                                            lora.has_down() ? &*in.lora.down_b : nullptr};
   for (int g = kGate; g < kNumGrads; ++g) {
-    grads[g] = need(Grad(g)) ? empty_large_like(*weight_of[g]) : empty_grad(in.x);
-  }
-  for (int64_t e = 0; e < in.gate.size(0); ++e) {
-    if (routing.rows(e) > 0) continue;
-    for (int g = kGate; g < kNumGrads; ++g) {
-      if (need(Grad(g))) grads[g][e].zero_();
-    }
+    grads[g] = need(Grad(g)) ? zeros_large_like(*weight_of[g]) : empty_grad(in.x);
   }
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
   // The transposed packed weights when forward packed these weights (packed_weights.h).
   const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/false);
-  at::Tensor dx_rows = need(kHidden) ? empty_large({N, H}, in.x.options().dtype(acc)) : at::Tensor();
+  at::Tensor dx_rows = need(kHidden) ? zeros_large({N, H}, in.x.options().dtype(acc)) : at::Tensor();
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 
   for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
@@ -181,7 +174,7 @@ std::vector<at::Tensor> moe_backward_cpu(
   });
 
   if (need(kHidden)) {
-    at::Tensor dx = empty_large({in.x.size(0), H}, in.x.options());
+    at::Tensor dx = zeros_large({in.x.size(0), H}, in.x.options());
     combine_rows(dx_rows, routing.row_of_pair, std::nullopt, dx);
     grads[kHidden] = dx.view(hidden_states.sizes());
   } else {

@@ -53,8 +53,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
-  at::Tensor activations = empty_large({2, save_activations ? N : 0, I}, in.x.options());
-  at::Tensor expert_out = empty_large({N, H}, in.x.options().dtype(acc));  // o, sorted rows
+  at::Tensor activations = zeros_large({2, save_activations ? N : 0, I}, in.x.options());
+  at::Tensor expert_out = zeros_large({N, H}, in.x.options().dtype(acc));  // o, sorted rows
 
   for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
@@ -80,7 +80,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));
   });
 
-  at::Tensor out = empty_large({in.x.size(0), H}, in.x.options());
+  at::Tensor out = zeros_large({in.x.size(0), H}, in.x.options());
   combine_rows(expert_out, routing.row_of_pair, in.weights, out);
   return {out.view(hidden_states.sizes()), activations};
 }
