@@ -63,7 +63,12 @@ struct ProjectionGrads {
 // small_gemm produces) and copied.
 void weight_backward(const at::Tensor& d_out, const at::Tensor& in, const at::Tensor& q,
                      const std::optional<at::Tensor>& a, double s, int64_t e, const ProjectionGrads& pg) {
-  if (pg.need_w) pg.grad_w[e].addmm_(d_out.t(), in, /*beta=*/0.0, /*alpha=*/1.0);
+  if (pg.need_w) {
+    // d_outᵀ made contiguous first: oneDNN ran this GEMM 1.15-1.4x faster than on the
+    // transposed view (Qwen3-30B-A3B shapes, bf16).
+    at::Tensor grad_w = pg.grad_w[e];
+    at::mm_out(grad_w, d_out.t().contiguous(), in);
+  }
   if (pg.need_b) {
     const at::Tensor in_a = thin_gemm_nt(in, (*a)[e]);  // [n, r]
     at::Tensor grad_b_t = at::empty({in_a.size(1), d_out.size(1)}, d_out.options().dtype(accumulate_type(d_out.scalar_type())));
