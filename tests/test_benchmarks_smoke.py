@@ -21,3 +21,11 @@ def test_suite_smoke_run_reports_every_mode_with_small_errors(tmp_path):
         assert kt["status"] == "ok" and kt["tok_s"] > 0, kt
         assert kt["out_err"] < 1e-2, kt
         assert mode == "fwd" or kt["grad_err"] < 1e-2, kt
+
+
+def test_thread_scaling_runs_every_mode():
+    from benchmarks import thread_scaling
+    rows = thread_scaling.main(["--tokens", "16", "--hidden", "64", "--intermediate", "32", "--experts", "4",
+                                "--topk", "2", "--rank", "2", "--repeats", "1"])
+    assert [r[0] for r in rows] == ["fwd", "lora", "full"]
+    assert all(one > 0 and many > 0 for _, one, many in rows)

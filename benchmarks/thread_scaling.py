@@ -1,0 +1,67 @@
+"""Thread scaling of kt.moe: the same step at 1 and at 2 (or --threads) threads, alternating
+step by step in one process so that both see the same machine load.
+
+    .venv/bin/python -m benchmarks.thread_scaling            # Qwen3-30B-A3B layer, T=1024
+
+Full mode bumps the base weights' version counters every step, as an optimizer step would.
+"""
+import argparse
+import statistics
+import time
+from types import SimpleNamespace
+
+import torch
+
+import kt_ops
+from benchmarks.common import BASE, LORA, make_problem
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--tokens", type=int, default=1024)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--rank", type=int, default=8)
+    p.add_argument("--threads", type=int, default=2, help="compared with 1 thread (default 2)")
+    p.add_argument("--repeats", type=int, default=5)
+    args = p.parse_args(argv)
+    prob = make_problem(SimpleNamespace(torch_dtype=torch.bfloat16, seed=0, **{
+        k: getattr(args, k) for k in ("tokens", "hidden", "intermediate", "experts", "topk", "rank")}))
+    rows = []
+    threads_before = torch.get_num_threads()
+    for mode in ("fwd", "lora", "full"):
+        base = {n: prob[n].detach().requires_grad_(mode == "full") for n in BASE}
+        lora = {n: prob[n].detach().requires_grad_(True) for n in LORA} if mode == "lora" else {}
+        x = prob["hidden"].detach().requires_grad_(mode != "fwd")
+
+        def step():
+            y = kt_ops.moe(x, prob["topk_ids"], prob["topk_weights"], **base, **lora, lora_scale=2.0)
+            if mode != "fwd":
+                y.backward(prob["dy"])
+            for t in [x, *base.values(), *lora.values()]:
+                t.grad = None
+            if mode == "full":
+                for t in base.values():
+                    torch.autograd.graph.increment_version(t)
+
+        for _ in range(3):  # warm-up; kt.moe packs unchanged weights on its third call
+            step()
+        times = {1: [], args.threads: []}
+        for _ in range(args.repeats):
+            for n in times:
+                torch.set_num_threads(n)
+                t0 = time.perf_counter()
+                step()
+                times[n].append(time.perf_counter() - t0)
+        one, many = (statistics.median(times[n]) for n in times)
+        rows.append((mode, one, many))
+        print(f"{mode:5s} 1 thread {one * 1e3:8.1f} ms | {args.threads} threads {many * 1e3:8.1f} ms | "
+              f"scaling {one / many:.2f}x", flush=True)
+    torch.set_num_threads(threads_before)
+    return rows
+
+
+if __name__ == "__main__":
+    main()
