@@ -56,6 +56,27 @@ void gemm_reference(const GemmView& g, int64_t n0) {
   }
 }
 
+// Runs Tile<MR>::run(args..., m0, n0) over the tiles of the first n_full columns: row tiles of
+// kMaxRows rows, then one tile of the remaining rows (MR picked at compile time, so that every
+// tile keeps its accumulators in registers).
+template <int MR, template <int> class Tile, typename... Args>
+void remainder_tile(int64_t rows, int64_t m0, int64_t n0, const Args&... args) {
+  if constexpr (MR > 0) {
+    if (rows == MR) return Tile<MR>::run(args..., m0, n0);
+    remainder_tile<MR - 1, Tile>(rows, m0, n0, args...);
+  }
+}
+
+template <int kMaxRows, int NR, template <int> class Tile, typename... Args>
+void for_each_tile(int64_t M, int64_t n_full, const Args&... args) {
+  int64_t m0 = 0;
+  for (; m0 + kMaxRows <= M; m0 += kMaxRows) {
+    for (int64_t n0 = 0; n0 < n_full; n0 += NR) Tile<kMaxRows>::run(args..., m0, n0);
+  }
+  if (m0 == M) return;
+  for (int64_t n0 = 0; n0 < n_full; n0 += NR) remainder_tile<kMaxRows - 1, Tile>(M - m0, m0, n0, args...);
+}
+
 // ---- AVX2: tiles of 4 rows × 16 columns (8 accumulators) ------------------------------------
 
 KT_TARGET_AVX2 inline __m256 load8(const void* p, bool bf16, int64_t i) {
@@ -70,8 +91,11 @@ KT_TARGET_AVX2 inline void store8(void* p, bool bf16, int64_t i, __m256 v) {
   }
 }
 
-template <int MR, bool kBf16B>
-KT_TARGET_AVX2 void tile_avx2(const GemmView& g, int64_t m0, int64_t n0) {
+template <bool kBf16B>
+struct TileAvx2 {
+template <int MR>
+struct Rows {
+KT_TARGET_AVX2 static void run(const GemmView& g, int64_t m0, int64_t n0) {
   __m256 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < g.Kd; ++k) {
@@ -92,23 +116,14 @@ KT_TARGET_AVX2 void tile_avx2(const GemmView& g, int64_t m0, int64_t n0) {
     }
   }
 }
+};
+};
 
 template <bool kBf16B>
-KT_TARGET_AVX2 void gemm_avx2_b(const GemmView& g) {
+void gemm_avx2_b(const GemmView& g) {
   constexpr int NR = 16;
   const int64_t n_full = g.N / NR * NR;
-  int64_t m0 = 0;
-  for (; m0 + 4 <= g.M; m0 += 4) {
-    for (int64_t n0 = 0; n0 < n_full; n0 += NR) tile_avx2<4, kBf16B>(g, m0, n0);
-  }
-  for (int64_t n0 = 0; n0 < n_full; n0 += NR) {
-    switch (g.M - m0) {
-      case 3: tile_avx2<3, kBf16B>(g, m0, n0); break;
-      case 2: tile_avx2<2, kBf16B>(g, m0, n0); break;
-      case 1: tile_avx2<1, kBf16B>(g, m0, n0); break;
-      default: break;
-    }
-  }
+  for_each_tile<4, NR, TileAvx2<kBf16B>::template Rows>(g.M, n_full, g);
   gemm_reference(g, n_full);
 }
 
@@ -140,8 +155,11 @@ KT_TARGET_AVX512 void epilogue_avx512(const GemmView& g, int64_t m0, int64_t n0,
   }
 }
 
-template <int MR, bool kBf16B>
-KT_TARGET_AVX512 void tile_avx512(const GemmView& g, int64_t m0, int64_t n0) {
+template <bool kBf16B>
+struct TileAvx512 {
+template <int MR>
+struct Rows {
+KT_TARGET_AVX512 static void run(const GemmView& g, int64_t m0, int64_t n0) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < g.Kd; ++k) {
@@ -155,27 +173,14 @@ KT_TARGET_AVX512 void tile_avx512(const GemmView& g, int64_t m0, int64_t n0) {
   }
   epilogue_avx512<MR>(g, m0, n0, acc);
 }
+};
+};
 
 template <bool kBf16B>
-KT_TARGET_AVX512 void gemm_avx512_b(const GemmView& g) {
+void gemm_avx512_b(const GemmView& g) {
   constexpr int NR = 32;
   const int64_t n_full = g.N / NR * NR;
-  int64_t m0 = 0;
-  for (; m0 + 8 <= g.M; m0 += 8) {
-    for (int64_t n0 = 0; n0 < n_full; n0 += NR) tile_avx512<8, kBf16B>(g, m0, n0);
-  }
-  for (int64_t n0 = 0; n0 < n_full; n0 += NR) {
-    switch (g.M - m0) {
-      case 7: tile_avx512<7, kBf16B>(g, m0, n0); break;
-      case 6: tile_avx512<6, kBf16B>(g, m0, n0); break;
-      case 5: tile_avx512<5, kBf16B>(g, m0, n0); break;
-      case 4: tile_avx512<4, kBf16B>(g, m0, n0); break;
-      case 3: tile_avx512<3, kBf16B>(g, m0, n0); break;
-      case 2: tile_avx512<2, kBf16B>(g, m0, n0); break;
-      case 1: tile_avx512<1, kBf16B>(g, m0, n0); break;
-      default: break;
-    }
-  }
+  for_each_tile<8, NR, TileAvx512<kBf16B>::template Rows>(g.M, n_full, g);
   gemm_reference(g, n_full);
 }
 
@@ -207,8 +212,9 @@ KT_TARGET_AVX512_BF16 void pack_b_pairs(const GemmView& g, int64_t kp_count, int
 }
 
 template <int MR>
-KT_TARGET_AVX512_BF16 void tile_avx512_bf16(const GemmView& g, const uint32_t* a_pairs, const uint32_t* b_pairs,
-                                            int64_t kp_count, int64_t n_full, int64_t m0, int64_t n0) {
+struct TileAvx512Bf16 {
+KT_TARGET_AVX512_BF16 static void run(const GemmView& g, const uint32_t* a_pairs, const uint32_t* b_pairs,
+                                      int64_t kp_count, int64_t n_full, int64_t m0, int64_t n0) {
   __m512 acc[MR][2];
   for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const uint32_t* a_rows = a_pairs + m0 * kp_count;
@@ -236,6 +242,7 @@ KT_TARGET_AVX512_BF16 void tile_avx512_bf16(const GemmView& g, const uint32_t* a
     }
   }
 }
+};
 
 KT_TARGET_AVX512_BF16 void gemm_avx512_bf16(const GemmView& g) {
   constexpr int NR = 32;
@@ -251,24 +258,7 @@ KT_TARGET_AVX512_BF16 void gemm_avx512_bf16(const GemmView& g) {
   }
   std::vector<uint32_t> b_pairs(kp_count * n_full);
   pack_b_pairs(g, kp_count, n_full, b_pairs.data());
-  const uint32_t* ap = a_pairs.data();
-  const uint32_t* bp = b_pairs.data();
-  int64_t m0 = 0;
-  for (; m0 + 8 <= g.M; m0 += 8) {
-    for (int64_t n0 = 0; n0 < n_full; n0 += NR) tile_avx512_bf16<8>(g, ap, bp, kp_count, n_full, m0, n0);
-  }
-  for (int64_t n0 = 0; n0 < n_full; n0 += NR) {
-    switch (g.M - m0) {
-      case 7: tile_avx512_bf16<7>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      case 6: tile_avx512_bf16<6>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      case 5: tile_avx512_bf16<5>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      case 4: tile_avx512_bf16<4>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      case 3: tile_avx512_bf16<3>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      case 2: tile_avx512_bf16<2>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      case 1: tile_avx512_bf16<1>(g, ap, bp, kp_count, n_full, m0, n0); break;
-      default: break;
-    }
-  }
+  for_each_tile<8, NR, TileAvx512Bf16>(g.M, n_full, g, a_pairs.data(), b_pairs.data(), kp_count, n_full);
   gemm_reference(g, n_full);
 }
 
