@@ -66,7 +66,8 @@ import kt_ops  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.baselines import HFLoopMoE  # noqa: E402
 from benchmarks.common import (  # noqa: E402,F401  (re-exported: older imports keep working)
-    BASE, DTYPES, LORA, Impl, cpu_model, flops, load_average, make_problem, make_step, rel_err)
+    BASE, DTYPES, LORA, Impl, cpu_model, flops, load_average, make_problem, make_step,
+    mark_updated_in_place, rel_err)
 
 MODES = ("fwd", "fwd_lora", "lora", "full")
 DEFAULT_SHAPE = dict(tokens=1024, hidden=2048, intermediate=768, experts=128, topk=8)
@@ -164,10 +165,7 @@ def build_impls(mode: str, prob: Dict[str, torch.Tensor], args):
         for t in kt_w.values():
             t.grad = None
         if mode == "full":
-            # Full fine-tuning updates the base weights in place every step: bump their version
-            # counters as an optimizer step would, so kt.moe never uses pre-packed copies here.
-            for n in BASE:
-                torch.autograd.graph.increment_version(kt_w[n])
+            mark_updated_in_place(kt_w[n] for n in BASE)
 
     def loop_reset():
         loop_x.grad = None

@@ -89,6 +89,14 @@ def flops(mode: str, T: int, K: int, H: int, I: int, r: int) -> float:
     raise ValueError(mode)
 
 
+def mark_updated_in_place(tensors) -> None:
+    """Bump the version counters of ``tensors`` as an optimizer's in-place step would. Full-mode
+    benchmarks call it every step: kt.moe then sees changed base weights and never uses
+    pre-packed copies, as in real full fine-tuning."""
+    for t in tensors:
+        torch.autograd.graph.increment_version(t)
+
+
 def make_step(forward: Callable[[], torch.Tensor], train: bool, dy: Optional[torch.Tensor]) -> Callable:
     """One timed step: forward + ``backward(dy)`` when training, else forward under no_grad."""
     if train:

@@ -143,7 +143,8 @@ import kt_ops  # noqa: E402
 from benchmarks import common  # noqa: E402
 from benchmarks.baselines import GroupedMMMoE, HFLoopMoE, SortedMoE  # noqa: E402
 from benchmarks.common import (  # noqa: E402
-    BASE, LORA, Impl, cpu_model, flops, load_average, make_problem, make_step, rel_err)
+    BASE, LORA, Impl, cpu_model, flops, load_average, make_problem, make_step, mark_updated_in_place,
+    rel_err)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODES = ("fwd", "lora", "full")
@@ -361,11 +362,7 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
             for t in wt.values():
                 t.grad = None
             if mode == "full":
-                # Full fine-tuning updates the base weights in place every step (optimizer):
-                # bump their version counters as that would, so that kt.moe sees changed weights
-                # and never uses pre-packed copies, as in real training.
-                for n in BASE:
-                    torch.autograd.graph.increment_version(wt[n])
+                mark_updated_in_place(wt[n] for n in BASE)
 
         def grads():
             return {"hidden": x.grad, **{n: wt[n].grad for n in trained}}

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 import torch
 
 import kt_ops
-from benchmarks.common import BASE, LORA, make_problem
+from benchmarks.common import BASE, LORA, make_problem, mark_updated_in_place
 
 
 def main(argv=None):
@@ -43,8 +43,7 @@ def main(argv=None):
             for t in [x, *base.values(), *lora.values()]:
                 t.grad = None
             if mode == "full":
-                for t in base.values():
-                    torch.autograd.graph.increment_version(t)
+                mark_updated_in_place(base.values())
 
         for _ in range(3):  # warm-up; kt.moe packs unchanged weights on its third call
             step()
