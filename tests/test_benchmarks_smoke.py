@@ -29,3 +29,11 @@ def test_thread_scaling_runs_every_mode():
                                 "--topk", "2", "--rank", "2", "--repeats", "1"])
     assert [r[0] for r in rows] == ["fwd", "lora", "full"]
     assert all(one > 0 and many > 0 for _, one, many in rows)
+
+
+def test_gemv_rows_runs_every_row_count():
+    from benchmarks import gemv_rows
+    rows = gemv_rows.main(["--hidden", "64", "--intermediate", "32", "--experts", "4", "--rows", "1,3",
+                           "--repeats", "1"])
+    assert [r[0] for r in rows] == [1, 3]
+    assert all(thin > 0 and mm > 0 for _, thin, mm in rows)

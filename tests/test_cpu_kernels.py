@@ -176,6 +176,34 @@ def test_moe_on_each_path_matches_float64_reference(isa, dtype, mode):
         assert rel_err(g, ref_grads[name]) < tol, name
 
 
+# Rows per expert on both sides of forward's GEMV cut (kGemvMaxRows = 4 in moe_forward.cpp:
+# blocks of <= 4 rows use row dot products on the plain weights, larger ones GEMMs), and one
+# expert with none.
+ROWS_PER_EXPERT = [1, 2, 3, 4, 5, 9, 20, 0]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("dtype,mode", [(bf16, "lora"), (f32, "hybrid")], ids=["bf16-lora", "fp32-hybrid"])
+def test_moe_decode_sized_and_gemm_blocks_match_float64_reference(isa, dtype, mode):
+    T = sum(ROWS_PER_EXPERT)
+    kwargs = make_moe_inputs(T_shape=(T,), H=80, I=48, E=len(ROWS_PER_EXPERT), K=1, r=4, dtype=dtype,
+                             mode=mode, seed=5)
+    ids = torch.repeat_interleave(torch.arange(len(ROWS_PER_EXPERT)), torch.tensor(ROWS_PER_EXPERT))
+    kwargs["topk_ids"] = ids[torch.randperm(T, generator=torch.Generator().manual_seed(6))].view(T, 1)
+    assert torch.bincount(kwargs["topk_ids"].view(-1), minlength=len(ROWS_PER_EXPERT)).tolist() == ROWS_PER_EXPERT
+    grad_out = grad_output_for(kwargs)
+    with kt_ops.use_cpu_isa(isa):
+        out, grads = run_op(kwargs, grad_out)
+    ref_out, ref_grads = run_reference(kwargs, grad_out)
+    tol = TOLERANCE[dtype]
+    for e, n in enumerate(ROWS_PER_EXPERT):  # per expert, so that one path cannot hide in the other's norm
+        rows = kwargs["topk_ids"].view(-1) == e
+        if n:
+            assert rel_err(out[rows], ref_out[rows]) < tol, f"expert {e} with {n} rows"
+    for name, g in grads.items():
+        assert rel_err(g, ref_grads[name]) < tol, name
+
+
 def test_use_cpu_isa_restores_and_rejects_bad_names():
     before = kt_ops.cpu_isa()
     with kt_ops.use_cpu_isa("portable"):

@@ -7,13 +7,16 @@
 // pre-packed weights with gate|up fused into one GEMM when the weights stay unchanged
 // (packed_weights.h), else ATen's at::mm;
 // one thread each, blocks spread over torch's intra-op threads; the rank-r LoRA updates
-// (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own.
+// (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own. Blocks of a few
+// rows (decode) skip the GEMMs: their projections are row dot products over the expert's
+// weights (thin_gemm_nt), a pass over the weights at memory speed.
 #include <torch/library.h>
 
 #include "ops/large_alloc.h"
 #include "ops/moe_common.h"
 #include "ops/packed_weights.h"
 #include "ops/swiglu.h"
+#include "ops/thin_gemm.h"
 
 namespace kt {
 namespace {
@@ -21,6 +24,12 @@ namespace {
 // Rows per block in forward: big enough for efficient GEMMs, small enough to spread an
 // expert that receives many tokens over several threads.
 constexpr int64_t kForwardBlockRows = 256;
+
+// Blocks of at most this many rows use row dot products on the plain weights instead of
+// GEMMs. They are bound by reading the weights: one thread streamed a Qwen3-30B-A3B expert's
+// gate weight at 16.0 GB/s this way against torch.mm's 9.9 GB/s at 1 row; the two were equal
+// at 4 rows and the dot products 1.5x slower at 8 (benchmarks/gemv_rows.py).
+constexpr int64_t kGemvMaxRows = 4;
 
 at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u) {
   at::Tensor h = at::empty(g.sizes(), g.options());
@@ -58,9 +67,15 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
 
   for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
-    const at::Tensor x_e = gather_rows_padded(in.x, routing.sorted_tokens.narrow(0, blk.begin, n), padded_rows(n));
+    const bool gemv = n <= kGemvMaxRows;
+    // GEMMs get padded rows (see padded_rows); the row dot products need none.
+    const at::Tensor x_e = gather_rows_padded(in.x, routing.sorted_tokens.narrow(0, blk.begin, n),
+                                              gemv ? n : padded_rows(n));
     at::Tensor g, u;  // [p, I] each; column halves of one [p, 2I] result on packed weights
-    if (packed) {
+    if (gemv) {
+      g = thin_gemm_nt(x_e, in.gate[e]);
+      u = thin_gemm_nt(x_e, in.up[e]);
+    } else if (packed) {
       const at::Tensor gu = packed_linear(x_e, packed->gate_up[e]);
       g = gu.narrow(1, 0, I);
       u = gu.narrow(1, I, I);
@@ -75,6 +90,12 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
     const at::Tensor h = swiglu(g, u);
+    if (gemv) {  // straight into the fp32 rows of expert_out
+      at::Tensor o = expert_out.narrow(0, blk.begin, n);
+      thin_gemm_nt(o, h, in.down[e]);
+      add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
+      return;
+    }
     at::Tensor o = packed ? packed_linear(h, packed->down[e]) : at::mm(h, in.down[e].t());
     add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
     expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));

@@ -97,19 +97,19 @@ template <int MR>
 struct Rows {
 KT_TARGET_AVX2 static void run(const GemmView& g, int64_t m0, int64_t n0) {
   __m256 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
+  KT_UNROLL for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
   for (int64_t k = 0; k < g.Kd; ++k) {
     const __m256 b0 = load8(g.b, kBf16B, k * g.ldb + n0);
     const __m256 b1 = load8(g.b, kBf16B, k * g.ldb + n0 + 8);
-    for (int i = 0; i < MR; ++i) {
+    KT_UNROLL for (int i = 0; i < MR; ++i) {
       const __m256 a = _mm256_broadcast_ss(g.a + (m0 + i) * g.Kd + k);
       acc[i][0] = _mm256_fmadd_ps(a, b0, acc[i][0]);
       acc[i][1] = _mm256_fmadd_ps(a, b1, acc[i][1]);
     }
   }
   const __m256 alpha = _mm256_set1_ps(g.alpha);
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < 2; ++j) {
+  KT_UNROLL for (int i = 0; i < MR; ++i) {
+    KT_UNROLL for (int j = 0; j < 2; ++j) {
       __m256 v = _mm256_mul_ps(alpha, acc[i][j]);
       if (g.c) v = _mm256_add_ps(v, load8(g.c, g.c_bf16, (m0 + i) * g.ldc + n0 + 8 * j));
       store8(g.out, g.out_bf16, (m0 + i) * g.ldo + n0 + 8 * j, v);
@@ -146,8 +146,8 @@ KT_TARGET_AVX512 inline void store16(void* p, bool bf16, int64_t i, __m512 v) {
 template <int MR>
 KT_TARGET_AVX512 void epilogue_avx512(const GemmView& g, int64_t m0, int64_t n0, __m512 (&acc)[MR][2]) {
   const __m512 alpha = _mm512_set1_ps(g.alpha);
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < 2; ++j) {
+  KT_UNROLL for (int i = 0; i < MR; ++i) {
+    KT_UNROLL for (int j = 0; j < 2; ++j) {
       __m512 v = _mm512_mul_ps(alpha, acc[i][j]);
       if (g.c) v = _mm512_add_ps(v, load16(g.c, g.c_bf16, (m0 + i) * g.ldc + n0 + 16 * j));
       store16(g.out, g.out_bf16, (m0 + i) * g.ldo + n0 + 16 * j, v);
@@ -161,11 +161,11 @@ template <int MR>
 struct Rows {
 KT_TARGET_AVX512 static void run(const GemmView& g, int64_t m0, int64_t n0) {
   __m512 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  KT_UNROLL for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   for (int64_t k = 0; k < g.Kd; ++k) {
     const __m512 b0 = load16(g.b, kBf16B, k * g.ldb + n0);
     const __m512 b1 = load16(g.b, kBf16B, k * g.ldb + n0 + 16);
-    for (int i = 0; i < MR; ++i) {
+    KT_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512 a = _mm512_set1_ps(g.a[(m0 + i) * g.Kd + k]);
       acc[i][0] = _mm512_fmadd_ps(a, b0, acc[i][0]);
       acc[i][1] = _mm512_fmadd_ps(a, b1, acc[i][1]);
@@ -216,21 +216,21 @@ struct TileAvx512Bf16 {
 KT_TARGET_AVX512_BF16 static void run(const GemmView& g, const uint32_t* a_pairs, const uint32_t* b_pairs,
                                       int64_t kp_count, int64_t n_full, int64_t m0, int64_t n0) {
   __m512 acc[MR][2];
-  for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  KT_UNROLL for (int i = 0; i < MR; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
   const uint32_t* a_rows = a_pairs + m0 * kp_count;
   const uint32_t* b_col = b_pairs + n0;
   for (int64_t kp = 0; kp < kp_count; ++kp) {
     const __m512bh b0 = (__m512bh)_mm512_loadu_si512(b_col + kp * n_full);
     const __m512bh b1 = (__m512bh)_mm512_loadu_si512(b_col + kp * n_full + 16);
-    for (int i = 0; i < MR; ++i) {
+    KT_UNROLL for (int i = 0; i < MR; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(a_rows[i * kp_count + kp]));
       acc[i][0] = _mm512_dpbf16_ps(acc[i][0], a, b0);
       acc[i][1] = _mm512_dpbf16_ps(acc[i][1], a, b1);
     }
   }
   const __m512 alpha = _mm512_set1_ps(g.alpha);
-  for (int i = 0; i < MR; ++i) {
-    for (int j = 0; j < 2; ++j) {
+  KT_UNROLL for (int i = 0; i < MR; ++i) {
+    KT_UNROLL for (int j = 0; j < 2; ++j) {
       __m512 v = _mm512_mul_ps(alpha, acc[i][j]);
       if (g.c) v = _mm512_add_ps(v, load16(g.c, g.c_bf16, (m0 + i) * g.ldc + n0 + 16 * j));
       const int64_t o = (m0 + i) * g.ldo + n0 + 16 * j;

@@ -46,13 +46,16 @@ void thin_reference(const ThinView& v) {
 }
 
 // Runs tile<MR, RJ>(v, m0, r0) over all (row, rank) tiles: MR rows (MR or 1 for the tail)
-// and RJ ranks (up to 8; the rank tail picks RJ at run time).
+// and RJ ranks (up to 8; the rank tail picks RJ at run time). Rows of w outermost: each
+// group of 8 w rows is read from memory once and stays in L1/L2 while every x row passes
+// over it, which is what makes the kernel a bandwidth-bound GEMV when w is a whole expert
+// weight and x a few decode rows (x rows outermost re-streamed w once per 2 rows).
 template <template <int, int> class Tile>
 void for_each_tile(const ThinView& v) {
   constexpr int MR = 2;
-  for (int64_t m0 = 0; m0 < v.M; m0 += MR) {
-    const bool two = m0 + 1 < v.M;
-    for (int64_t r0 = 0; r0 < v.R; r0 += 8) {
+  for (int64_t r0 = 0; r0 < v.R; r0 += 8) {
+    for (int64_t m0 = 0; m0 < v.M; m0 += MR) {
+      const bool two = m0 + 1 < v.M;
       switch (std::min<int64_t>(8, v.R - r0) + (two ? 0 : 8)) {
         case 1: Tile<2, 1>::run(v, m0, r0); break;
         case 2: Tile<2, 2>::run(v, m0, r0); break;
@@ -84,19 +87,19 @@ struct TileAvx512Bf16 {
     const uint16_t* x = static_cast<const uint16_t*>(v.x);
     const uint16_t* w = static_cast<const uint16_t*>(v.w);
     __m512 acc[MR][RJ];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
+    KT_UNROLL for (int i = 0; i < MR; ++i)
+      KT_UNROLL for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < v.K; k += 32) {
       const __mmask32 mask = v.K - k >= 32 ? ~__mmask32(0) : (__mmask32(1) << (v.K - k)) - 1;
       __m512bh xv[MR];
-      for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + i) * v.ldx + k);
-      for (int j = 0; j < RJ; ++j) {
+      KT_UNROLL for (int i = 0; i < MR; ++i) xv[i] = (__m512bh)_mm512_maskz_loadu_epi16(mask, x + (m0 + i) * v.ldx + k);
+      KT_UNROLL for (int j = 0; j < RJ; ++j) {
         const __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(mask, w + (r0 + j) * v.ldw + k);
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
+        KT_UNROLL for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv[i], wv);
       }
     }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < RJ; ++j) store_out(v, m0 + i, r0 + j, _mm512_reduce_add_ps(acc[i][j]));
+    KT_UNROLL for (int i = 0; i < MR; ++i)
+      KT_UNROLL for (int j = 0; j < RJ; ++j) store_out(v, m0 + i, r0 + j, _mm512_reduce_add_ps(acc[i][j]));
   }
 };
 
@@ -114,19 +117,19 @@ template <int MR, int RJ>
 struct TileAvx512 {
   KT_TARGET_AVX512 static void run(const ThinView& v, int64_t m0, int64_t r0) {
     __m512 acc[MR][RJ];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
+    KT_UNROLL for (int i = 0; i < MR; ++i)
+      KT_UNROLL for (int j = 0; j < RJ; ++j) acc[i][j] = _mm512_setzero_ps();
     for (int64_t k = 0; k < v.K; k += 16) {
       const __mmask16 mask = v.K - k >= 16 ? __mmask16(0xffff) : __mmask16((1u << (v.K - k)) - 1);
       __m512 xv[MR];
-      for (int i = 0; i < MR; ++i) xv[i] = masked_load16(v.x, v.in_bf16, (m0 + i) * v.ldx + k, mask);
-      for (int j = 0; j < RJ; ++j) {
+      KT_UNROLL for (int i = 0; i < MR; ++i) xv[i] = masked_load16(v.x, v.in_bf16, (m0 + i) * v.ldx + k, mask);
+      KT_UNROLL for (int j = 0; j < RJ; ++j) {
         const __m512 wv = masked_load16(v.w, v.in_bf16, (r0 + j) * v.ldw + k, mask);
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
+        KT_UNROLL for (int i = 0; i < MR; ++i) acc[i][j] = _mm512_fmadd_ps(xv[i], wv, acc[i][j]);
       }
     }
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < RJ; ++j) store_out(v, m0 + i, r0 + j, _mm512_reduce_add_ps(acc[i][j]));
+    KT_UNROLL for (int i = 0; i < MR; ++i)
+      KT_UNROLL for (int j = 0; j < RJ; ++j) store_out(v, m0 + i, r0 + j, _mm512_reduce_add_ps(acc[i][j]));
   }
 };
 
@@ -140,19 +143,19 @@ template <int MR, int RJ>
 struct TileAvx2 {
   KT_TARGET_AVX2 static void run(const ThinView& v, int64_t m0, int64_t r0) {
     __m256 acc[MR][RJ];
-    for (int i = 0; i < MR; ++i)
-      for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
+    KT_UNROLL for (int i = 0; i < MR; ++i)
+      KT_UNROLL for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
     const int64_t k_full = v.K / 8 * 8;
     for (int64_t k = 0; k < k_full; k += 8) {
       __m256 xv[MR];
-      for (int i = 0; i < MR; ++i) xv[i] = load8(v.x, v.in_bf16, (m0 + i) * v.ldx + k);
-      for (int j = 0; j < RJ; ++j) {
+      KT_UNROLL for (int i = 0; i < MR; ++i) xv[i] = load8(v.x, v.in_bf16, (m0 + i) * v.ldx + k);
+      KT_UNROLL for (int j = 0; j < RJ; ++j) {
         const __m256 wv = load8(v.w, v.in_bf16, (r0 + j) * v.ldw + k);
-        for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
+        KT_UNROLL for (int i = 0; i < MR; ++i) acc[i][j] = _mm256_fmadd_ps(xv[i], wv, acc[i][j]);
       }
     }
-    for (int i = 0; i < MR; ++i) {
-      for (int j = 0; j < RJ; ++j) {
+    KT_UNROLL for (int i = 0; i < MR; ++i) {
+      KT_UNROLL for (int j = 0; j < RJ; ++j) {
         float sum = simd::hsum8(acc[i][j]);
         for (int64_t k = k_full; k < v.K; ++k) {
           sum += load_scalar(v.x, v.in_bf16, (m0 + i) * v.ldx + k) * load_scalar(v.w, v.in_bf16, (r0 + j) * v.ldw + k);

@@ -2,6 +2,8 @@
 // [M, R]. This is x·Aᵀ (LoRA's first GEMM) and d_out·B. oneDNN spends ~60 µs on such a
 // call ([64, 2048]·[2048, 8] in bf16); here each output is a dot product of two contiguous
 // rows, which AVX512-BF16's vdpbf16ps computes on bf16 pairs as they lie in memory.
+// The same kernel is forward's GEMV for decode-sized blocks (M a few rows, w a whole expert
+// weight, R in the thousands): it walks w once, 8 rows at a time, for all rows of x.
 //
 // x, w: float32 or bfloat16, rows contiguous (stride(1) == 1), any row stride; out: float32 or
 // bfloat16 [M, R], rows contiguous. Accumulates in float32. float64 goes through ATen.

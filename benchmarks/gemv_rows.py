@@ -1,0 +1,63 @@
+"""Few-row projections on one thread: kt's row dot products (thin_gemm_nt) against torch.mm
+(oneDNN) on Qwen3-30B-A3B expert gate weights, at 1..16 rows. This is the measurement behind
+forward's GEMV cut (kGemvMaxRows in csrc/ops/moe_forward.cpp).
+
+    .venv/bin/python -m benchmarks.gemv_rows
+
+Each call uses the next expert's weight (the stack is far larger than the L3), so the weights
+stream from memory as in a decode step; the two kernels alternate expert by expert, best of
+--repeats passes over the stack. GB/s = weight bytes read / time.
+"""
+import argparse
+import time
+
+import torch
+
+import kt_ops
+
+
+def time_pass(fn, experts: int) -> float:
+    t0 = time.perf_counter()
+    for e in range(experts):
+        fn(e)
+    return (time.perf_counter() - t0) / experts
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=128)
+    p.add_argument("--rows", default="1,2,4,8,16")
+    p.add_argument("--repeats", type=int, default=3)
+    args = p.parse_args(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(args.experts, args.intermediate, args.hidden, generator=gen).to(torch.bfloat16)
+        weight_bytes = w[0].numel() * w.element_size()
+        isa = kt_ops.cpu_isa()
+        print(f"one thread, bf16, weight [{args.intermediate}, {args.hidden}] per expert, "
+              f"{args.experts} experts, cpu path {isa}")
+        print(f"{'rows':>4} | {'thin ms':>8} {'GB/s':>6} | {'mm ms':>8} {'GB/s':>6} | mm / thin")
+        rows = []
+        for m in (int(v) for v in args.rows.split(",")):
+            x = torch.randn(m, args.hidden, generator=gen).to(torch.bfloat16)
+            thin = lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa)
+            mm = lambda e: torch.mm(x, w[e].t())
+            best = {"thin": float("inf"), "mm": float("inf")}
+            for _ in range(args.repeats):
+                best["thin"] = min(best["thin"], time_pass(thin, args.experts))
+                best["mm"] = min(best["mm"], time_pass(mm, args.experts))
+            rows.append((m, best["thin"], best["mm"]))
+            print(f"{m:>4} | {best['thin'] * 1e3:8.3f} {weight_bytes / best['thin'] / 1e9:6.1f} | "
+                  f"{best['mm'] * 1e3:8.3f} {weight_bytes / best['mm'] / 1e9:6.1f} | "
+                  f"{best['mm'] / best['thin']:.2f}x", flush=True)
+        return rows
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+if __name__ == "__main__":
+    main()
