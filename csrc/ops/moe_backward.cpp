@@ -133,7 +133,7 @@ std::vector<at::Tensor> moe_backward_cpu(
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
   // The transposed packed weights when forward packed these weights (packed_weights.h).
   const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/false);
-  at::Tensor dx_rows = need(kHidden) ? zeros_large({N, H}, in.x.options().dtype(acc)) : at::Tensor();
+  BlockRows dx_rows(need(kHidden) ? N : 0, in.x.scalar_type());  // dx of every sorted row, kept per block
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 
   for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
@@ -171,7 +171,7 @@ std::vector<at::Tensor> moe_backward_cpu(
                                              need(kGateA), dx, fused_dx);
     const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, up_b_t, s, e, need(kHidden),
                                            need(kUpA), dx, fused_dx);
-    if (need(kHidden)) dx_rows.narrow(0, blk.begin, n).copy_(dx.narrow(0, 0, n));
+    if (need(kHidden)) dx_rows.keep(blk.begin, n, dx);
     weight_backward(sw.dg, x, q_gate, in.lora.gate_a, s, e,
                     {need(kGate), need(kGateA), need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]});
     weight_backward(sw.du, x, q_up, in.lora.up_a, s, e,

@@ -4,6 +4,7 @@
 #include "ops/thin_gemm.h"
 
 #include <ATen/Dispatch.h>
+#include <ATen/OpMathType.h>
 #include <ATen/Parallel.h>
 #include <c10/util/accumulate.h>
 
@@ -39,29 +40,40 @@ MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& 
   return in;
 }
 
-void combine_rows(const at::Tensor& rows, const at::Tensor& row_of_pair,
+BlockRows::BlockRows(int64_t num_rows, at::ScalarType dtype)
+    : dtype_(dtype), kept_(num_rows), row_(num_rows, nullptr) {}
+
+void BlockRows::keep(int64_t begin, int64_t n, const at::Tensor& rows) {
+  TORCH_INTERNAL_ASSERT(rows.scalar_type() == dtype_ && rows.dim() == 2 && rows.size(0) >= n &&
+                        (n <= 1 || rows.stride(1) == 1));
+  if (n == 0) return;
+  kept_[begin] = rows;
+  const char* base = static_cast<const char*>(rows.const_data_ptr());
+  const int64_t row_bytes = rows.stride(0) * rows.element_size();
+  for (int64_t i = 0; i < n; ++i) row_[begin + i] = base + i * row_bytes;
+}
+
+void combine_rows(const BlockRows& rows, const at::Tensor& row_of_pair,
                   const std::optional<at::Tensor>& scale, at::Tensor& out) {
+  TORCH_INTERNAL_ASSERT(out.scalar_type() == rows.dtype() && out.is_contiguous());
   const int64_t T = out.size(0), H = out.size(1);
   const int64_t K = T == 0 ? 0 : row_of_pair.numel() / T;
   const int64_t* row_of = row_of_pair.const_data_ptr<int64_t>();
-  AT_DISPATCH_FLOATING_TYPES(rows.scalar_type(), "kt_combine_rows", [&] {
-    using acc_t = scalar_t;
-    const acc_t* src = rows.const_data_ptr<acc_t>();
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "kt_combine_rows", [&] {
+    using acc_t = at::opmath_type<scalar_t>;
     const acc_t* w = scale.has_value() ? scale->const_data_ptr<acc_t>() : nullptr;
-    AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, out.scalar_type(), "kt_combine_rows_out", [&] {
-      scalar_t* dst = out.data_ptr<scalar_t>();
-      at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
-        std::vector<acc_t> acc(H);
-        for (int64_t t = t0; t < t1; ++t) {
-          std::fill(acc.begin(), acc.end(), acc_t(0));
-          for (int64_t j = 0; j < K; ++j) {
-            const acc_t* r = src + row_of[t * K + j] * H;
-            const acc_t s = w ? w[t * K + j] : acc_t(1);
-            for (int64_t h = 0; h < H; ++h) acc[h] += s * r[h];
-          }
-          for (int64_t h = 0; h < H; ++h) dst[t * H + h] = static_cast<scalar_t>(acc[h]);
+    scalar_t* dst = out.data_ptr<scalar_t>();
+    at::parallel_for(0, T, 16, [&](int64_t t0, int64_t t1) {
+      std::vector<acc_t> acc(H);
+      for (int64_t t = t0; t < t1; ++t) {
+        std::fill(acc.begin(), acc.end(), acc_t(0));
+        for (int64_t j = 0; j < K; ++j) {
+          const scalar_t* r = static_cast<const scalar_t*>(rows.row(row_of[t * K + j]));
+          const acc_t s = w ? w[t * K + j] : acc_t(1);
+          for (int64_t h = 0; h < H; ++h) acc[h] += s * static_cast<acc_t>(r[h]);
         }
-      });
+        for (int64_t h = 0; h < H; ++h) dst[t * H + h] = static_cast<scalar_t>(acc[h]);
+      }
     });
   });
 }

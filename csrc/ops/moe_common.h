@@ -6,6 +6,8 @@
 #include "ops/moe_checks.h"
 #include "ops/routing.h"
 
+#include <vector>
+
 namespace kt {
 
 // Accumulation dtype: float64 for float64 inputs, float32 otherwise (bf16 computes in fp32).
@@ -28,10 +30,32 @@ MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& 
                              const at::Tensor& up_proj, const at::Tensor& down_proj,
                              const LoraTensors& lora, double lora_scale);
 
-// out[t] = sum_j scale[t, j] * rows[row_of_pair[t*K + j]]   (scale == nullopt: plain sum)
-// rows: [N, H] in the accumulation dtype; out: [T, H]. Summed in slot order j = 0..K-1 so
-// that the result does not depend on the thread count.
-void combine_rows(const at::Tensor& rows, const at::Tensor& row_of_pair,
+// The per-block results of an expert pass (forward's expert outputs, backward's input
+// gradients), addressed by sorted row, without copying them into one [N, H] buffer: each
+// block keeps the tensor its GEMM produced. Blocks of one pass cover distinct sorted rows, so
+// threads may keep their blocks concurrently.
+class BlockRows {
+ public:
+  BlockRows(int64_t num_rows, at::ScalarType dtype);
+
+  // Sorted rows [begin, begin + n) are the first n rows of `rows` ([>= n, C], rows
+  // contiguous, this pass's dtype); `rows` is kept alive.
+  void keep(int64_t begin, int64_t n, const at::Tensor& rows);
+
+  at::ScalarType dtype() const { return dtype_; }
+  const void* row(int64_t i) const { return row_[i]; }
+
+ private:
+  at::ScalarType dtype_;
+  std::vector<at::Tensor> kept_;  // indexed by each block's first sorted row
+  std::vector<const void*> row_;
+};
+
+// out[t] = sum_j scale[t, j] * rows.row(row_of_pair[t*K + j])   (scale == nullopt: plain sum)
+// rows: C = H values each, in out's dtype; scale: [T, K] in the accumulation dtype; out:
+// [T, H] contiguous. Accumulated in the accumulation dtype, in slot order j = 0..K-1, so that
+// the result does not depend on the thread count.
+void combine_rows(const BlockRows& rows, const at::Tensor& row_of_pair,
                   const std::optional<at::Tensor>& scale, at::Tensor& out);
 
 // Row count a block is padded to (with zero rows) before its GEMMs. oneDNN builds (JITs)

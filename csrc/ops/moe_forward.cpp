@@ -52,7 +52,6 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
                                           down_proj, lora, lora_scale);
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.size(1);
-  const auto acc = accumulate_type(in.x.scalar_type());
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
   const int64_t N = routing.num_pairs();
 
@@ -63,7 +62,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
   at::Tensor activations = zeros_large({2, save_activations ? N : 0, I}, in.x.options());
-  at::Tensor expert_out = zeros_large({N, H}, in.x.options().dtype(acc));  // o, sorted rows
+  BlockRows expert_out(N, in.x.scalar_type());  // o of every sorted row, kept per block
 
   for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
@@ -90,15 +89,10 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
     const at::Tensor h = swiglu(g, u);
-    if (gemv) {  // straight into the fp32 rows of expert_out
-      at::Tensor o = expert_out.narrow(0, blk.begin, n);
-      thin_gemm_nt(o, h, in.down[e]);
-      add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
-      return;
-    }
-    at::Tensor o = packed ? packed_linear(h, packed->down[e]) : at::mm(h, in.down[e].t());
+    at::Tensor o = gemv ? thin_gemm_nt(h, in.down[e])
+                        : packed ? packed_linear(h, packed->down[e]) : at::mm(h, in.down[e].t());
     add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
-    expert_out.narrow(0, blk.begin, n).copy_(o.narrow(0, 0, n));
+    expert_out.keep(blk.begin, n, o);
   });
 
   at::Tensor out = zeros_large({in.x.size(0), H}, in.x.options());
