@@ -55,6 +55,21 @@ def test_packed_after_three_calls_and_results_unchanged():
     assert rel_err(outs[-1], outs[-2]) == 0  # packed calls are deterministic
 
 
+def test_decode_sized_calls_never_pack():
+    """Calls whose experts all get at most 4 rows (kGemvMaxRows) run row dot products on the
+    plain weights; they must not pack (a copy they would never use)."""
+    kwargs = inputs(mode="inference")
+    decode = {**kwargs, "hidden_states": kwargs["hidden_states"][:1], "topk_ids": kwargs["topk_ids"][:1],
+              "topk_weights": kwargs["topk_weights"][:1]}
+    for _ in range(PACK_AFTER + 2):
+        assert_matches_reference(decode)
+    assert packed_weights_info()["sets"] == 0
+    for _ in range(PACK_AFTER):  # 40 tokens over 4 experts: GEMM-sized blocks
+        assert_matches_reference(kwargs)
+    assert packed_weights_info()["sets"] == 1
+    assert_matches_reference(decode)  # still right with the packed copies around
+
+
 def test_in_place_update_is_never_served_stale():
     kwargs = inputs()
     for _ in range(PACK_AFTER + 1):

@@ -12,6 +12,8 @@
 // weights (thin_gemm_nt), a pass over the weights at memory speed.
 #include <torch/library.h>
 
+#include <algorithm>
+
 #include "ops/large_alloc.h"
 #include "ops/moe_common.h"
 #include "ops/packed_weights.h"
@@ -57,14 +59,19 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
 
   // oneDNN-packed base weights once they have stayed the same for a few calls (see
   // packed_weights.h); nullptr: plain at::mm on the weights as they are.
-  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/true);
+  // A call whose blocks are all decode-sized never uses packed copies: it does not count
+  // towards packing (inference at batch 1 would otherwise triple the weights' memory).
+  const std::vector<ExpertBlock> blocks = expert_blocks(routing, kForwardBlockRows);
+  const bool uses_gemms = std::any_of(blocks.begin(), blocks.end(),
+                                      [](const ExpertBlock& b) { return b.end - b.begin > kGemvMaxRows; });
+  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/uses_gemms);
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
   at::Tensor activations = zeros_large({2, save_activations ? N : 0, I}, in.x.options());
   BlockRows expert_out(N, in.x.scalar_type());  // o of every sorted row, kept per block
 
-  for_each_block(expert_blocks(routing, kForwardBlockRows), [&](const ExpertBlock& blk) {
+  for_each_block(blocks, [&](const ExpertBlock& blk) {
     const int64_t e = blk.expert, n = blk.end - blk.begin;
     const bool gemv = n <= kGemvMaxRows;
     // GEMMs get padded rows (see padded_rows); the row dot products need none.

@@ -39,7 +39,8 @@ constexpr int kPackAfterCalls = 3;
 // The packed weights of (gate, up, down) when the policy above says so, else nullptr.
 // gate/up/down are the op's arguments (their storage and version identify them); the
 // *_contiguous tensors hold the same values, contiguous, and are what gets packed.
-// forward_call: counts towards kPackAfterCalls (and may pack); backward passes false.
+// forward_call: counts towards kPackAfterCalls (and may pack); backward passes false, and so
+// does a forward call that would not use the packed copies (all its blocks decode-sized).
 std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, const at::Tensor& up,
                                                     const at::Tensor& down, const at::Tensor& gate_contiguous,
                                                     const at::Tensor& up_contiguous,
