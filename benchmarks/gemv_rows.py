@@ -1,6 +1,8 @@
 """Few-row projections on one thread: kt's row dot products (thin_gemm_nt) against torch.mm
-(oneDNN) on Qwen3-30B-A3B expert gate weights, at 1..16 rows. This is the measurement behind
-forward's GEMV cut (kGemvMaxRows in csrc/ops/moe_forward.cpp).
+(oneDNN) on Qwen3-30B-A3B expert gate weights, at 1..16 rows; and the weight gradient
+dW = dᵀ·x of such a projection as small_gemm's outer-product sum against torch.mm. These are
+the measurements behind forward's GEMV cut (kGemvMaxRows in csrc/ops/moe_forward.cpp) and
+backward's outer-product cut (kOuterProductMaxRows in csrc/ops/moe_backward.cpp).
 
     .venv/bin/python -m benchmarks.gemv_rows
 
@@ -40,20 +42,27 @@ def main(argv=None):
         isa = kt_ops.cpu_isa()
         print(f"one thread, bf16, weight [{args.intermediate}, {args.hidden}] per expert, "
               f"{args.experts} experts, cpu path {isa}")
-        print(f"{'rows':>4} | {'thin ms':>8} {'GB/s':>6} | {'mm ms':>8} {'GB/s':>6} | mm / thin")
+        print(f"{'rows':>4} | {'thin ms':>8} {'GB/s':>6} | {'mm ms':>8} {'GB/s':>6} | mm / thin | "
+              f"dW: {'small ms':>8} {'mm ms':>8} | mm / small")
         rows = []
         for m in (int(v) for v in args.rows.split(",")):
             x = torch.randn(m, args.hidden, generator=gen).to(torch.bfloat16)
-            thin = lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa)
-            mm = lambda e: torch.mm(x, w[e].t())
-            best = {"thin": float("inf"), "mm": float("inf")}
+            d_t = torch.randn(args.intermediate, m, generator=gen).to(torch.bfloat16)  # dᵀ, contiguous
+            kernels = {
+                "thin": lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa),
+                "mm": lambda e: torch.mm(x, w[e].t()),
+                "dw_small": lambda e: torch.ops.kt._small_gemm(None, d_t, x, 1.0, torch.bfloat16, isa),
+                "dw_mm": lambda e: torch.mm(d_t, x),
+            }
+            best = {k: float("inf") for k in kernels}
             for _ in range(args.repeats):
-                best["thin"] = min(best["thin"], time_pass(thin, args.experts))
-                best["mm"] = min(best["mm"], time_pass(mm, args.experts))
-            rows.append((m, best["thin"], best["mm"]))
+                for k, fn in kernels.items():
+                    best[k] = min(best[k], time_pass(fn, args.experts))
+            rows.append((m, best["thin"], best["mm"], best["dw_small"], best["dw_mm"]))
             print(f"{m:>4} | {best['thin'] * 1e3:8.3f} {weight_bytes / best['thin'] / 1e9:6.1f} | "
                   f"{best['mm'] * 1e3:8.3f} {weight_bytes / best['mm'] / 1e9:6.1f} | "
-                  f"{best['mm'] / best['thin']:.2f}x", flush=True)
+                  f"{best['mm'] / best['thin']:8.2f}x | {best['dw_small'] * 1e3:12.3f} {best['dw_mm'] * 1e3:8.3f} | "
+                  f"{best['dw_mm'] / best['dw_small']:.2f}x", flush=True)
         return rows
     finally:
         torch.set_num_threads(threads_before)

@@ -36,4 +36,4 @@ def test_gemv_rows_runs_every_row_count():
     rows = gemv_rows.main(["--hidden", "64", "--intermediate", "32", "--experts", "4", "--rows", "1,3",
                            "--repeats", "1"])
     assert [r[0] for r in rows] == [1, 3]
-    assert all(thin > 0 and mm > 0 for _, thin, mm in rows)
+    assert all(t > 0 for row in rows for t in row[1:]) and all(len(row) == 5 for row in rows)

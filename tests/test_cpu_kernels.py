@@ -183,11 +183,14 @@ ROWS_PER_EXPERT = [1, 2, 3, 4, 5, 9, 20, 0]
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
-@pytest.mark.parametrize("dtype,mode", [(bf16, "lora"), (f32, "hybrid")], ids=["bf16-lora", "fp32-hybrid"])
+@pytest.mark.parametrize("dtype,mode", [(bf16, "lora"), (bf16, "full"), (f32, "hybrid")],
+                         ids=["bf16-lora", "bf16-full", "fp32-hybrid"])
 def test_moe_decode_sized_and_gemm_blocks_match_float64_reference(isa, dtype, mode):
+    """Also backward's weight gradients, which are outer-product sums (small_gemm) for experts
+    with at most 4 rows (kOuterProductMaxRows in moe_backward.cpp) and GEMMs above."""
     T = sum(ROWS_PER_EXPERT)
-    kwargs = make_moe_inputs(T_shape=(T,), H=80, I=48, E=len(ROWS_PER_EXPERT), K=1, r=4, dtype=dtype,
-                             mode=mode, seed=5)
+    kwargs = make_moe_inputs(T_shape=(T,), H=80, I=48, E=len(ROWS_PER_EXPERT), K=1, r=0 if mode == "full" else 4,
+                             dtype=dtype, mode=mode, seed=5)
     ids = torch.repeat_interleave(torch.arange(len(ROWS_PER_EXPERT)), torch.tensor(ROWS_PER_EXPERT))
     kwargs["topk_ids"] = ids[torch.randperm(T, generator=torch.Generator().manual_seed(6))].view(T, 1)
     assert torch.bincount(kwargs["topk_ids"].view(-1), minlength=len(ROWS_PER_EXPERT)).tolist() == ROWS_PER_EXPERT
@@ -201,6 +204,10 @@ def test_moe_decode_sized_and_gemm_blocks_match_float64_reference(isa, dtype, mo
         if n:
             assert rel_err(out[rows], ref_out[rows]) < tol, f"expert {e} with {n} rows"
     for name, g in grads.items():
+        if name.endswith("_proj"):  # per expert, as for the output
+            for e, n in enumerate(ROWS_PER_EXPERT):
+                if n:
+                    assert rel_err(g[e], ref_grads[name][e]) < tol, f"{name} of expert {e} with {n} rows"
         assert rel_err(g, ref_grads[name]) < tol, name
 
 

@@ -58,16 +58,26 @@ struct ProjectionGrads {
   at::Tensor &grad_w, &grad_a, &grad_b;
 };
 
+// Experts with at most this many rows get dW as a sum of that many outer products from
+// small_gemm (one pass writing dW) instead of a oneDNN GEMM with an inner dimension of 1-4,
+// which was 1.4-2.6x slower on Qwen3-30B-A3B shapes (benchmarks/gemv_rows.py).
+constexpr int64_t kOuterProductMaxRows = 4;
+
 // dW[e] = d_outᵀ·in, dB[e] = s·d_outᵀ·(in·A[e]ᵀ), dA[e] = s·qᵀ·in, written (not added) into
-// the gradient tensors where requested. dB is computed transposed ([r, out], the layout
-// small_gemm produces) and copied.
-void weight_backward(const at::Tensor& d_out, const at::Tensor& in, const at::Tensor& q,
+// the gradient tensors where requested; rows: the block's real rows (d_out and in may have
+// zero padding rows after them). dB is computed transposed ([r, out], the layout small_gemm
+// produces) and copied.
+void weight_backward(const at::Tensor& d_out, const at::Tensor& in, int64_t rows, const at::Tensor& q,
                      const std::optional<at::Tensor>& a, double s, int64_t e, const ProjectionGrads& pg) {
   if (pg.need_w) {
-    // d_outᵀ made contiguous first: oneDNN ran this GEMM 1.15-1.4x faster than on the
-    // transposed view (Qwen3-30B-A3B shapes, bf16).
     at::Tensor grad_w = pg.grad_w[e];
-    at::mm_out(grad_w, d_out.t().contiguous(), in);
+    if (rows <= kOuterProductMaxRows) {
+      small_gemm(grad_w, std::nullopt, d_out.narrow(0, 0, rows).t(), in.narrow(0, 0, rows), 1.0);
+    } else {
+      // d_outᵀ made contiguous first: oneDNN ran this GEMM 1.15-1.4x faster than on the
+      // transposed view (Qwen3-30B-A3B shapes, bf16).
+      at::mm_out(grad_w, d_out.t().contiguous(), in);
+    }
   }
   if (pg.need_b) {
     const at::Tensor in_a = thin_gemm_nt(in, (*a)[e]);  // [n, r]
@@ -159,7 +169,7 @@ std::vector<at::Tensor> moe_backward_cpu(
     if (need_scaled_dy) sw.hw = at::empty({padded, I}, in.x.options());
     if (need(kWeights)) sw.dw = dw_rows.narrow(0, blk.begin, n);
     swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw);
-    weight_backward(dy, sw.hw, q_down, in.lora.down_a, s, e,
+    weight_backward(dy, sw.hw, n, q_down, in.lora.down_a, s, e,
                     {need(kDown), need(kDownA), need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]});
     if (!need_dgu) return;
 
@@ -172,9 +182,9 @@ std::vector<at::Tensor> moe_backward_cpu(
     const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, up_b_t, s, e, need(kHidden),
                                            need(kUpA), dx, fused_dx);
     if (need(kHidden)) dx_rows.keep(blk.begin, n, dx);
-    weight_backward(sw.dg, x, q_gate, in.lora.gate_a, s, e,
+    weight_backward(sw.dg, x, n, q_gate, in.lora.gate_a, s, e,
                     {need(kGate), need(kGateA), need(kGateB), grads[kGate], grads[kGateA], grads[kGateB]});
-    weight_backward(sw.du, x, q_up, in.lora.up_a, s, e,
+    weight_backward(sw.du, x, n, q_up, in.lora.up_a, s, e,
                     {need(kUp), need(kUpA), need(kUpB), grads[kUp], grads[kUpA], grads[kUpB]});
   });
 
