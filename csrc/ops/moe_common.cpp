@@ -45,7 +45,7 @@ BlockRows::BlockRows(int64_t num_rows, at::ScalarType dtype)
 
 void BlockRows::keep(int64_t begin, int64_t n, const at::Tensor& rows) {
   TORCH_INTERNAL_ASSERT(rows.scalar_type() == dtype_ && rows.dim() == 2 && rows.size(0) >= n &&
-                        (n <= 1 || rows.stride(1) == 1));
+                        (rows.size(1) <= 1 || rows.stride(1) == 1));
   if (n == 0) return;
   kept_[begin] = rows;
   const char* base = static_cast<const char*>(rows.const_data_ptr());
