@@ -1,7 +1,7 @@
 """Thread scaling of kt.moe: the same step at 1 and at 2 (or --threads) threads, alternating
 in one process so that both see the same machine load. After each switch of the thread count
-one untimed step runs first (--settle): timing the first step after a switch gave scalings
-from 1.55x to 2.34x for the same code.
+one untimed step runs first (--settle): the first step after a switch pays for it (thread pool
+and oneDNN state), which is not what the scaling should measure.
 
     .venv/bin/python -m benchmarks.thread_scaling            # Qwen3-30B-A3B layer, T=1024
 
