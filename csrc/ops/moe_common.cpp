@@ -96,14 +96,6 @@ at::Tensor gather_rows_padded(const at::Tensor& src, const at::Tensor& index, in
   return out;
 }
 
-at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype) {
-  const int64_t n = rows.size(0);
-  at::Tensor out = at::empty({padded, rows.size(1)}, rows.options().dtype(dtype));
-  out.narrow(0, 0, n).copy_(rows);
-  out.narrow(0, n, padded - n).zero_();
-  return out;
-}
-
 void add_lora(at::Tensor& out, const at::Tensor& in, const std::optional<at::Tensor>& a,
               const std::optional<at::Tensor>& b_t, double scale) {
   if (a.has_value()) small_gemm(out, out, thin_gemm_nt(in, *a), *b_t, scale);

@@ -67,9 +67,6 @@ int64_t padded_rows(int64_t n);
 // src.index_select(0, index) followed by zero rows up to `padded` rows.
 at::Tensor gather_rows_padded(const at::Tensor& src, const at::Tensor& index, int64_t padded);
 
-// rows ([n, C]) followed by zero rows up to `padded` rows, in `dtype`.
-at::Tensor pad_rows(const at::Tensor& rows, int64_t padded, at::ScalarType dtype);
-
 // x[E, ...] -> x[e]; nullopt stays nullopt.
 inline std::optional<at::Tensor> expert_slice(const std::optional<at::Tensor>& t, int64_t e) {
   return t.has_value() ? std::optional<at::Tensor>(t->select(0, e)) : std::nullopt;
