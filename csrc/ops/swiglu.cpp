@@ -15,17 +15,22 @@ namespace {
 
 // ---- reference ---------------------------------------------------------------------------
 
+// One row of the forward, elements [j0, I).
+template <typename scalar_t, typename acc_t>
+void forward_row_reference(const scalar_t* gr, const scalar_t* ur, scalar_t* hr, int64_t j0, int64_t I) {
+  for (int64_t j = j0; j < I; ++j) {
+    const acc_t gv = static_cast<acc_t>(gr[j]);
+    hr[j] = static_cast<scalar_t>(gv / (acc_t(1) + std::exp(-gv)) * static_cast<acc_t>(ur[j]));
+  }
+}
+
 template <typename scalar_t, typename acc_t>
 void forward_reference(const at::Tensor& g, const at::Tensor& u, at::Tensor& h) {
   const int64_t n = h.size(0), I = h.size(1);
   for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* gr = g.const_data_ptr<scalar_t>() + i * g.stride(0);
-    const scalar_t* ur = u.const_data_ptr<scalar_t>() + i * u.stride(0);
-    scalar_t* hr = h.mutable_data_ptr<scalar_t>() + i * h.stride(0);
-    for (int64_t j = 0; j < I; ++j) {
-      const acc_t gv = static_cast<acc_t>(gr[j]);
-      hr[j] = static_cast<scalar_t>(gv / (acc_t(1) + std::exp(-gv)) * static_cast<acc_t>(ur[j]));
-    }
+    forward_row_reference<scalar_t, acc_t>(g.const_data_ptr<scalar_t>() + i * g.stride(0),
+                                           u.const_data_ptr<scalar_t>() + i * u.stride(0),
+                                           h.mutable_data_ptr<scalar_t>() + i * h.stride(0), 0, I);
   }
 }
 
@@ -110,10 +115,7 @@ KT_TARGET_AVX512_BF16 void forward_avx512(const at::Tensor& g, const at::Tensor&
       const __m512 gv = ld16(gr + j);
       st16<scalar_t, kNativeBf16>(hr + j, _mm512_mul_ps(_mm512_mul_ps(gv, simd::sigmoid16(gv)), ld16(ur + j)));
     }
-    for (int64_t j = I16; j < I; ++j) {
-      const float gv = static_cast<float>(gr[j]);
-      hr[j] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * static_cast<float>(ur[j]));
-    }
+    forward_row_reference<scalar_t, float>(gr, ur, hr, I16, I);
   }
 }
 
@@ -179,10 +181,7 @@ KT_TARGET_AVX2 void forward_avx2(const at::Tensor& g, const at::Tensor& u, at::T
       const __m256 gv = ld8(gr + j);
       st8(hr + j, _mm256_mul_ps(_mm256_mul_ps(gv, simd::sigmoid8(gv)), ld8(ur + j)));
     }
-    for (int64_t j = I8; j < I; ++j) {
-      const float gv = static_cast<float>(gr[j]);
-      hr[j] = static_cast<scalar_t>(gv / (1.f + std::exp(-gv)) * static_cast<float>(ur[j]));
-    }
+    forward_row_reference<scalar_t, float>(gr, ur, hr, I8, I);
   }
 }
 
