@@ -15,6 +15,7 @@ from kt_ops import scale_grad  # noqa: F401
 from kt_ops.cpu_isa import cpu_isa, set_cpu_isa, use_cpu_isa
 from kt_ops.weight_packing import (packed_weights_info, release_packed_weights, set_weight_packing,
                                    weight_packing_enabled)
+from kt_ops.buffer_cache import cached_buffers_info, release_cached_buffers
 from kt_ops.checkpoint import checkpoint, checkpoint_context_fn
 from kt_ops.collectives import gather_to_owner, scatter_from_owner
 from kt_ops.layer import KTMoE
@@ -24,4 +25,4 @@ from kt_ops.hf import load_adapter, patch_model, save_adapter  # transformers/pe
 __all__ = ["moe", "KTMoE", "gather_to_owner", "scatter_from_owner", "checkpoint", "checkpoint_context_fn",
            "patch_model", "save_adapter", "load_adapter", "cpu_isa", "set_cpu_isa", "use_cpu_isa",
            "set_weight_packing", "weight_packing_enabled", "packed_weights_info",
-           "release_packed_weights"]
+           "release_packed_weights", "cached_buffers_info", "release_cached_buffers"]

@@ -37,3 +37,11 @@ def test_gemv_rows_runs_every_row_count():
                            "--repeats", "1"])
     assert [r[0] for r in rows] == [1, 3]
     assert all(t > 0 for row in rows for t in row[1:]) and all(len(row) == 5 for row in rows)
+
+
+def test_buffer_reuse_runs_every_mode():
+    from benchmarks import buffer_reuse
+    rows = buffer_reuse.main(["--tokens", "16", "--hidden", "64", "--intermediate", "32", "--experts", "4",
+                              "--topk", "2", "--rank", "2", "--repeats", "1"])
+    assert [r[0] for r in rows] == ["full", "lora"]
+    assert all(reused > 0 and fresh > 0 for _, reused, fresh in rows)

@@ -1,8 +1,9 @@
-// Ops that expose the instruction-set and weight-packing switches and the fused kernels one by one (schemas in
+// Ops that expose the instruction-set, weight-packing and buffer-cache switches and the fused kernels one by one (schemas in
 // registration.cpp). Tests use them to run every path on one machine.
 #include <torch/library.h>
 
 #include "ops/cpu_isa.h"
+#include "ops/large_alloc.h"
 #include "ops/packed_weights.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
@@ -60,6 +61,8 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_weight_packing_enabled", &weight_packing_enabled);
   m.impl("_packed_weights_info", &packed_weights_info);
   m.impl("_release_packed_weights", &release_packed_weights);
+  m.impl("_cached_buffers_info", &cached_buffers_info);
+  m.impl("_release_cached_buffers", &release_cached_buffers);
 }
 
 TORCH_LIBRARY_IMPL(kt, CPU, m) {

@@ -125,8 +125,8 @@ std::vector<at::Tensor> moe_backward_cpu(
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.size(1);
 
-  // Gradients of the expert weights, zero-filled (zeros_large: fresh zero pages, so the
-  // experts that got no rows cost nothing); every expert with rows overwrites its slice.
+  // Gradients of the expert weights (empty_large: recycled across calls, see large_alloc.h).
+  // Every expert with rows overwrites its slice; the others' are zeroed after the loop.
   std::array<at::Tensor, kNumGrads> grads;
   const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate, &in.up, &in.down,
                                            lora.has_gate() ? &*in.lora.gate_a : nullptr,
@@ -136,7 +136,7 @@ std::vector<at::Tensor> moe_backward_cpu(
                                            lora.has_down() ? &*in.lora.down_a : nullptr,
                                            lora.has_down() ? &*in.lora.down_b : nullptr};
   for (int g = kGate; g < kNumGrads; ++g) {
-    grads[g] = need(Grad(g)) ? zeros_large_like(*weight_of[g]) : empty_grad(in.x);
+    grads[g] = need(Grad(g)) ? empty_large(weight_of[g]->sizes(), weight_of[g]->options()) : empty_grad(in.x);
   }
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
@@ -188,8 +188,15 @@ std::vector<at::Tensor> moe_backward_cpu(
                     {need(kUp), need(kUpA), need(kUpB), grads[kUp], grads[kUpA], grads[kUpB]});
   });
 
+  for (int64_t e = 0; e < routing.num_experts; ++e) {
+    if (routing.rows(e) != 0) continue;
+    for (int g = kGate; g < kNumGrads; ++g) {
+      if (need(Grad(g))) zero_large(grads[g][e]);
+    }
+  }
+
   if (need(kHidden)) {
-    at::Tensor dx = zeros_large({in.x.size(0), H}, in.x.options());
+    at::Tensor dx = empty_large({in.x.size(0), H}, in.x.options());  // combine_rows writes every row
     combine_rows(dx_rows, routing.row_of_pair, std::nullopt, dx);
     grads[kHidden] = dx.view(hidden_states.sizes());
   } else {

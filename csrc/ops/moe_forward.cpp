@@ -68,7 +68,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
-  at::Tensor activations = zeros_large({2, save_activations ? N : 0, I}, in.x.options());
+  // Every row is written below (empty_large: recycled across calls, see large_alloc.h).
+  at::Tensor activations = empty_large({2, save_activations ? N : 0, I}, in.x.options());
   BlockRows expert_out(N, in.x.scalar_type());  // o of every sorted row, kept per block
 
   for_each_block(blocks, [&](const ExpertBlock& blk) {
@@ -102,7 +103,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     expert_out.keep(blk.begin, n, o);
   });
 
-  at::Tensor out = zeros_large({in.x.size(0), H}, in.x.options());
+  at::Tensor out = empty_large({in.x.size(0), H}, in.x.options());  // combine_rows writes every row
   combine_rows(expert_out, routing.row_of_pair, in.weights, out);
   return {out.view(hidden_states.sizes()), activations};
 }

@@ -84,6 +84,9 @@ TORCH_LIBRARY(kt, m) {
   m.def("_weight_packing_enabled() -> bool");
   m.def("_packed_weights_info() -> int[]");
   m.def("_release_packed_weights() -> ()");
+  // Large per-call buffers kept for reuse (csrc/ops/large_alloc.h): {buffers, bytes} idle, release.
+  m.def("_cached_buffers_info() -> int[]");
+  m.def("_release_cached_buffers() -> ()");
   // The fused kernels on their own, with an explicit path, so that tests compare every path
   // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
