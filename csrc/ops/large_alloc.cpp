@@ -63,6 +63,7 @@ class BufferCache {
   // A mapping of exactly `bytes` (a multiple of 2 MiB): an idle one, else a fresh one
   // (data == nullptr when mmap fails).
   Mapping take(size_t bytes) {
+    cache_budget_bytes();  // a bad KT_OPS_BUFFER_CACHE_MB raises here, in the op, not in a deleter
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = idle_.find(bytes);
