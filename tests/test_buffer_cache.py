@@ -87,15 +87,53 @@ def test_release_cached_buffers_unmaps_idle_buffers():
     assert kt_ops.cached_buffers_info() == {"buffers": 0, "bytes": 0}
 
 
-def run_with_budget(value):
+def output_of_size(mib, seed=0):
+    """A kt.moe output of `mib` MiB (float32, H=1024), large enough to live in a cached buffer."""
+    g = torch.Generator().manual_seed(seed)
+    T = mib * 256
+    return kt_ops.moe(torch.randn(T, 1024, generator=g), torch.zeros(T, 1, dtype=torch.long), torch.ones(T, 1),
+                      torch.randn(1, 8, 1024, generator=g), torch.randn(1, 8, 1024, generator=g),
+                      torch.randn(1, 1024, 8, generator=g))
+
+
+def test_a_request_up_to_a_quarter_smaller_reuses_an_idle_buffer():
+    # batches of varying length ask for varying sizes
+    expected = output_of_size(14).clone()
+    kt_ops.release_cached_buffers()
+    poison_and_free([output_of_size(16)])
+    assert kt_ops.cached_buffers_info() == {"buffers": 1, "bytes": 16 << 20}
+    small = output_of_size(10)  # 16 MiB > 10 MiB + a quarter: a fresh mapping
+    assert kt_ops.cached_buffers_info()["buffers"] == 1
+    small.fill_(float("nan"))
+    del small
+    out = output_of_size(14)  # takes the poisoned 16 MiB buffer, not the 10 MiB one
+    assert kt_ops.cached_buffers_info() == {"buffers": 1, "bytes": 10 << 20}
+    assert torch.equal(out, expected)
+
+
+def run_in_subprocess(code, budget):
     code = ("import torch, kt_ops\n"
-            "x = torch.randn(2048, 1024)\n"
-            "out = kt_ops.moe(x, torch.zeros(2048, 1, dtype=torch.long), torch.ones(2048, 1),\n"
-            "                 torch.randn(1, 8, 1024), torch.randn(1, 8, 1024), torch.randn(1, 1024, 8))\n"
-            "del out\n"
-            "print(kt_ops.cached_buffers_info()['buffers'])\n")
-    env = dict(os.environ, KT_OPS_BUFFER_CACHE_MB=value)
+            "from test_buffer_cache import output_of_size\n") + code
+    env = dict(os.environ, KT_OPS_BUFFER_CACHE_MB=budget,
+               PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]))
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+
+
+def run_with_budget(value):
+    return run_in_subprocess("out = output_of_size(8)\n"
+                             "del out\n"
+                             "print(kt_ops.cached_buffers_info()['buffers'])\n", value)
+
+
+def test_over_budget_the_longest_idle_buffer_is_unmapped():
+    proc = run_in_subprocess("a = output_of_size(10)\n"
+                             "b = output_of_size(12)\n"
+                             "del a\n"
+                             "del b\n"  # 22 MiB idle > 20: the 10 MiB one (idle longer) goes
+                             "info = kt_ops.cached_buffers_info()\n"
+                             "print(info['buffers'], info['bytes'] >> 20)\n", "20")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "1 12"
 
 
 def test_budget_zero_keeps_no_buffer():

@@ -43,7 +43,8 @@ size_t cache_budget_bytes() {
   return budget;
 }
 
-// One mmap: [base, base + mapped) with the 2 MiB aligned [data, data + bytes) inside.
+// One mmap: [base, base + mapped) with the 2 MiB aligned [data, data + bytes) inside (bytes:
+// its capacity; a tensor on it may use less).
 struct Mapping {
   void* base;
   size_t mapped;
@@ -60,17 +61,18 @@ class BufferCache {
     return *cache;
   }
 
-  // A mapping of exactly `bytes` (a multiple of 2 MiB): an idle one, else a fresh one
+  // A mapping of at least `bytes` (a multiple of 2 MiB): the smallest idle one that is at
+  // most a quarter larger (batches of varying length ask for varying sizes), else a fresh one
   // (data == nullptr when mmap fails).
   Mapping take(size_t bytes) {
     cache_budget_bytes();  // a bad KT_OPS_BUFFER_CACHE_MB raises here, in the op, not in a deleter
     {
       std::lock_guard<std::mutex> lock(mu_);
-      auto it = idle_.find(bytes);
-      if (it != idle_.end()) {
-        const Mapping m = it->second;
+      auto it = idle_.lower_bound(bytes);
+      if (it != idle_.end() && it->first <= bytes + bytes / 4) {
+        const Mapping m = it->second.mapping;
+        idle_bytes_ -= m.bytes;
         idle_.erase(it);
-        idle_bytes_ -= bytes;
         live_.emplace(reinterpret_cast<uintptr_t>(m.data), m);
         return m;
       }
@@ -86,22 +88,28 @@ class BufferCache {
     return m;
   }
 
-  // A tensor's storage was freed: keep its mapping while the idle ones fit in the budget.
+  // A tensor's storage was freed: keep its mapping, unmapping the longest-idle ones while the
+  // idle mappings exceed the budget (this one too, if it alone does).
   void give_back(char* data) {
-    Mapping m;
+    std::vector<Mapping> unmap;
     {
       std::lock_guard<std::mutex> lock(mu_);
       auto it = live_.find(reinterpret_cast<uintptr_t>(data));
       TORCH_INTERNAL_ASSERT(it != live_.end());
-      m = it->second;
+      idle_.emplace(it->second.bytes, Idle{it->second, ++clock_});
+      idle_bytes_ += it->second.bytes;
       live_.erase(it);
-      if (idle_bytes_ + m.bytes <= cache_budget_bytes()) {
-        idle_.emplace(m.bytes, m);
-        idle_bytes_ += m.bytes;
-        return;
+      while (idle_bytes_ > cache_budget_bytes()) {
+        auto oldest = idle_.begin();
+        for (auto i = idle_.begin(); i != idle_.end(); ++i) {
+          if (i->second.since < oldest->second.since) oldest = i;
+        }
+        unmap.push_back(oldest->second.mapping);
+        idle_bytes_ -= oldest->second.mapping.bytes;
+        idle_.erase(oldest);
       }
     }
-    munmap(m.base, m.mapped);
+    for (const Mapping& m : unmap) munmap(m.base, m.mapped);
   }
 
   // Whether [p, p + n) lies inside a buffer handed out.
@@ -114,13 +122,13 @@ class BufferCache {
   }
 
   void release_idle() {
-    std::multimap<size_t, Mapping> idle;
+    std::multimap<size_t, Idle> idle;
     {
       std::lock_guard<std::mutex> lock(mu_);
       idle.swap(idle_);
       idle_bytes_ = 0;
     }
-    for (const auto& kv : idle) munmap(kv.second.base, kv.second.mapped);
+    for (const auto& kv : idle) munmap(kv.second.mapping.base, kv.second.mapping.mapped);
   }
 
   std::vector<int64_t> idle_info() {
@@ -129,10 +137,15 @@ class BufferCache {
   }
 
  private:
+  struct Idle {
+    Mapping mapping;
+    uint64_t since;  // clock_ when it became idle
+  };
   std::mutex mu_;
   std::map<uintptr_t, Mapping> live_;
-  std::multimap<size_t, Mapping> idle_;
+  std::multimap<size_t, Idle> idle_;  // by capacity
   size_t idle_bytes_ = 0;
+  uint64_t clock_ = 0;
 };
 #endif
 

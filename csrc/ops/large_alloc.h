@@ -1,4 +1,4 @@
-// Large per-call buffers (weight gradients of stacked experts, saved activations): 2 MiB
+// Large per-call buffers (weight gradients of stacked experts, saved activations, outputs): 2 MiB
 // aligned private anonymous mappings on transparent huge pages, recycled across calls.
 //
 // These tensors are hundreds of MiB and allocated on every call (autograd hands the weight
@@ -6,9 +6,10 @@
 // kernel costs a page fault and a zero fill of every page at its first write: on this
 // project's machine, writing 1.2 GiB of fresh memory took 340-500 ms against 138 ms for
 // memory written before, and a full fine-tuning step of a Qwen3-30B-A3B layer (T=1024, whose
-// weight gradients are 1.2 GiB) went from ~600 to ~415 ms when its buffers were recycled.
-// So a freed buffer is kept, within a budget, and handed to the next request of the same
-// size; its pages stay mapped.
+// weight gradients are 1.2 GiB) ran 1.23-1.33x faster with its buffers recycled
+// (benchmarks/buffer_reuse.py). So a freed buffer is kept, its pages mapped, and handed to the
+// next request of its size or up to a quarter smaller; the longest-idle buffers are unmapped
+// when the idle ones exceed a budget.
 //
 // Huge pages (madvise(MADV_HUGEPAGE)): 512x fewer faults for the fresh mappings; on 4 KiB
 // pages a full step of the same layer took ~800 ms instead of ~600.
