@@ -2,7 +2,8 @@
 holds the previous call's values, so every element the op returns must be written or zeroed
 again. Buffers here are poisoned with NaN before they are freed; the next call must give the
 float64 reference's values (and exact zeros for the experts that got no rows), bit for bit
-the same output as on fresh memory, and keep nothing when the budget is 0."""
+the same output as on fresh memory. Also: which idle buffer a request takes, which one goes
+over budget, a budget of 0, a bad budget."""
 import os
 import subprocess
 import sys
