@@ -11,28 +11,18 @@ saved activations.
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
-
-import torch
 
 import kt_ops
-from benchmarks.common import make_problem
-from benchmarks.thread_scaling import kt_step
+from benchmarks.common import add_layer_arguments, kt_step, layer_problem
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--rank", type=int, default=8)
+    add_layer_arguments(p)
     p.add_argument("--modes", default="full,lora")
     p.add_argument("--repeats", type=int, default=8)
     args = p.parse_args(argv)
-    prob = make_problem(SimpleNamespace(torch_dtype=torch.bfloat16, seed=0, **{
-        k: getattr(args, k) for k in ("tokens", "hidden", "intermediate", "experts", "topk", "rank")}))
+    prob = layer_problem(args)
     rows = []
     for mode in args.modes.split(","):
         step = kt_step(prob, mode)

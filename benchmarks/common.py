@@ -1,14 +1,18 @@
-"""Helpers shared by the benchmarks (``bench_moe.py``, ``suite.py``).
+"""Helpers shared by the benchmarks (``bench_moe.py``, ``suite.py``, ``thread_scaling.py``,
+``buffer_reuse.py``).
 
 The problem generator, FLOP count, error metric, step container and table rendering live here
-so that both scripts measure and report the same way.
+so that the scripts measure and report the same way.
 """
 import os
 import platform
+from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
+
+import kt_ops
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "float32": torch.float32,
@@ -95,6 +99,39 @@ def mark_updated_in_place(tensors) -> None:
     pre-packed copies, as in real full fine-tuning."""
     for t in tensors:
         torch.autograd.graph.increment_version(t)
+
+
+LAYER_ARGUMENTS = ("tokens", "hidden", "intermediate", "experts", "topk", "rank")
+
+
+def add_layer_arguments(p) -> None:
+    """--tokens ... --rank of one MoE layer, defaulting to Qwen3-30B-A3B at T=1024, r=8."""
+    for name, default in zip(LAYER_ARGUMENTS, (1024, 2048, 768, 128, 8, 8)):
+        p.add_argument(f"--{name}", type=int, default=default)
+
+
+def layer_problem(args) -> Dict[str, torch.Tensor]:
+    """make_problem in bf16, seed 0, for the layer arguments of add_layer_arguments."""
+    return make_problem(SimpleNamespace(torch_dtype=torch.bfloat16, seed=0,
+                                        **{k: getattr(args, k) for k in LAYER_ARGUMENTS}))
+
+
+def kt_step(prob, mode):
+    """One kt.moe step: forward only (fwd), or forward+backward with LoRA (lora) or with the base
+    weights trainable (full; their version counters bumped as an optimizer step would)."""
+    base = {n: prob[n].detach().requires_grad_(mode == "full") for n in BASE}
+    lora = {n: prob[n].detach().requires_grad_(True) for n in LORA} if mode == "lora" else {}
+    x = prob["hidden"].detach().requires_grad_(mode != "fwd")
+
+    def step():
+        y = kt_ops.moe(x, prob["topk_ids"], prob["topk_weights"], **base, **lora, lora_scale=2.0)
+        if mode != "fwd":
+            y.backward(prob["dy"])
+        for t in [x, *base.values(), *lora.values()]:
+            t.grad = None
+        if mode == "full":
+            mark_updated_in_place(base.values())
+    return step
 
 
 def make_step(forward: Callable[[], torch.Tensor], train: bool, dy: Optional[torch.Tensor]) -> Callable:

@@ -12,30 +12,10 @@ torch.mm calls, per expert, at the same routing.
 import argparse
 import statistics
 import time
-from types import SimpleNamespace
 
 import torch
 
-import kt_ops
-from benchmarks.common import BASE, LORA, make_problem, mark_updated_in_place
-
-
-def kt_step(prob, mode):
-    """One kt.moe step: forward only (fwd), or forward+backward with LoRA (lora) or with the base
-    weights trainable (full; their version counters bumped as an optimizer step would)."""
-    base = {n: prob[n].detach().requires_grad_(mode == "full") for n in BASE}
-    lora = {n: prob[n].detach().requires_grad_(True) for n in LORA} if mode == "lora" else {}
-    x = prob["hidden"].detach().requires_grad_(mode != "fwd")
-
-    def step():
-        y = kt_ops.moe(x, prob["topk_ids"], prob["topk_weights"], **base, **lora, lora_scale=2.0)
-        if mode != "fwd":
-            y.backward(prob["dy"])
-        for t in [x, *base.values(), *lora.values()]:
-            t.grad = None
-        if mode == "full":
-            mark_updated_in_place(base.values())
-    return step
+from benchmarks.common import add_layer_arguments, kt_step, layer_problem
 
 
 def mm_step(prob):
@@ -55,19 +35,13 @@ def mm_step(prob):
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--tokens", type=int, default=1024)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--experts", type=int, default=128)
-    p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--rank", type=int, default=8)
+    add_layer_arguments(p)
     p.add_argument("--threads", type=int, default=2, help="compared with 1 thread (default 2)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--settle", type=int, default=1,
                    help="untimed steps after each change of the thread count (default 1)")
     args = p.parse_args(argv)
-    prob = make_problem(SimpleNamespace(torch_dtype=torch.bfloat16, seed=0, **{
-        k: getattr(args, k) for k in ("tokens", "hidden", "intermediate", "experts", "topk", "rank")}))
+    prob = layer_problem(args)
     rows = []
     threads_before = torch.get_num_threads()
     for mode in ("fwd", "lora", "full", "mm"):
