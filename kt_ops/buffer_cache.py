@@ -3,8 +3,9 @@
 kt.moe's weight gradients, saved activations and outputs of 8 MiB or more live in memory
 mappings that are recycled when the tensors are freed (``zero_grad(set_to_none=True)``, the
 next step): memory fresh from the kernel costs a page fault and a zero fill at its first
-write, which took about a third of a full fine-tuning step. Idle buffers stay mapped within a
-budget (default a quarter of RAM; ``KT_OPS_BUFFER_CACHE_MB``, 0 keeps none):
+write, which took up to a quarter of a full fine-tuning step (``benchmarks/buffer_reuse.py``).
+Idle buffers stay mapped within a budget (default a quarter of RAM; ``KT_OPS_BUFFER_CACHE_MB``,
+0 keeps none):
 ``cached_buffers_info()`` reports them, ``release_cached_buffers()`` unmaps them.
 """
 from typing import Dict

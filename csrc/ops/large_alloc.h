@@ -6,13 +6,13 @@
 // kernel costs a page fault and a zero fill of every page at its first write: on this
 // project's machine, writing 1.2 GiB of fresh memory took 340-500 ms against 138 ms for
 // memory written before, and a full fine-tuning step of a Qwen3-30B-A3B layer (T=1024, whose
-// weight gradients are 1.2 GiB) ran 1.23-1.33x faster with its buffers recycled
+// weight gradients are 1.2 GiB) ran 1.17-1.33x faster with its buffers recycled
 // (benchmarks/buffer_reuse.py). So a freed buffer is kept, its pages mapped, and handed to the
 // next request of its size or up to a quarter smaller; the longest-idle buffers are unmapped
 // when the idle ones exceed a budget.
 //
 // Huge pages (madvise(MADV_HUGEPAGE)): 512x fewer faults for the fresh mappings; on 4 KiB
-// pages a full step of the same layer took ~800 ms instead of ~600.
+// pages (KT_OPS_HUGE_PAGES=0) that step on fresh buffers took 751 ms against 473 ms.
 //
 // Budget for the idle buffers kept: KT_OPS_BUFFER_CACHE_MB (default a quarter of physical
 // memory; 0 keeps none); release_cached_buffers() unmaps them now. KT_OPS_HUGE_PAGES=0 turns
