@@ -4,9 +4,8 @@
 // These tensors are hundreds of MiB and allocated on every call (autograd hands the weight
 // gradients out as .grad; zero_grad(set_to_none=True) frees them). Memory fresh from the
 // kernel costs a page fault and a zero fill of every page at its first write: on this
-// project's machine, writing 1.2 GiB of fresh memory took 340-500 ms against 138 ms for
-// memory written before, and a full fine-tuning step of a Qwen3-30B-A3B layer (T=1024, whose
-// weight gradients are 1.2 GiB) ran 1.17-1.33x faster with its buffers recycled
+// project's machine a full fine-tuning step of a Qwen3-30B-A3B layer (T=1024, whose weight
+// gradients are 1.2 GiB) ran 1.17-1.33x faster with its buffers recycled
 // (benchmarks/buffer_reuse.py). So a freed buffer is kept, its pages mapped, and handed to the
 // next request of its size or up to a quarter smaller; the longest-idle buffers are unmapped
 // when the idle ones exceed a budget.
