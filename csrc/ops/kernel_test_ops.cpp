@@ -2,6 +2,7 @@
 // registration.cpp). Tests use them to run every path on one machine.
 #include <torch/library.h>
 
+#include "ops/base_gemm.h"
 #include "ops/cpu_isa.h"
 #include "ops/large_alloc.h"
 #include "ops/packed_weights.h"
@@ -17,6 +18,14 @@ std::string cpu_isa() { return cpu_isa_name(active_cpu_isa()); }
 std::string best_isa() { return cpu_isa_name(best_cpu_isa()); }
 
 void set_cpu_isa(const std::string& name) { set_active_cpu_isa(parse_cpu_isa(name, "isa")); }
+
+std::string base_gemm_path_op(at::ScalarType dtype) { return base_gemm_path(dtype); }
+
+at::Tensor panel_mm_tn_op(const at::Tensor& a, const at::Tensor& b) {
+  at::Tensor out = at::empty({a.size(1), b.size(1)}, a.options());
+  panel_mm_tn_out(out, a, b);
+  return out;
+}
 
 at::Tensor small_gemm_op(const std::optional<at::Tensor>& c, const at::Tensor& a, const at::Tensor& b,
                          double alpha, at::ScalarType out_dtype, const std::string& isa) {
@@ -57,6 +66,7 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_cpu_isa", &cpu_isa);
   m.impl("_best_cpu_isa", &best_isa);
   m.impl("_set_cpu_isa", &set_cpu_isa);
+  m.impl("_base_gemm_path", &base_gemm_path_op);
   m.impl("_set_weight_packing", &set_weight_packing);
   m.impl("_weight_packing_enabled", &weight_packing_enabled);
   m.impl("_packed_weights_info", &packed_weights_info);
@@ -70,6 +80,9 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_thin_gemm_nt", &thin_gemm_op);
   m.impl("_swiglu_forward", &swiglu_forward_op);
   m.impl("_swiglu_backward", &swiglu_backward_op);
+  m.impl("_panel_mm_nt", &panel_mm_nt);
+  m.impl("_panel_mm_nn", &panel_mm_nn);
+  m.impl("_panel_mm_tn", &panel_mm_tn_op);
 }
 
 }  // namespace kt

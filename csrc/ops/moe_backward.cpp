@@ -12,6 +12,7 @@
 // threads write the same gradient. Unrequested gradients are neither computed nor allocated.
 #include <torch/library.h>
 
+#include "ops/base_gemm.h"
 #include "ops/large_alloc.h"
 #include "ops/moe_common.h"
 #include "ops/packed_weights.h"
@@ -44,9 +45,9 @@ at::Tensor input_backward(const at::Tensor& d_out, const at::Tensor& w, const st
     if (base_done) {
       // d_out·W[e] is already in d_in (a GEMM on packed weights, see the block below)
     } else if (d_in.defined()) {
-      d_in.addmm_(d_out, w[e]);
+      base_addmm_nn_(d_in, d_out, w[e]);
     } else {
-      d_in = at::mm(d_out, w[e]);
+      d_in = base_mm_nn(d_out, w[e]);
     }
     if (a.has_value()) small_gemm(d_in, d_in, q, (*a)[e], s);
   }
@@ -74,9 +75,7 @@ void weight_backward(const at::Tensor& d_out, const at::Tensor& in, int64_t rows
     if (rows <= kOuterProductMaxRows) {
       small_gemm(grad_w, std::nullopt, d_out.narrow(0, 0, rows).t(), in.narrow(0, 0, rows), 1.0);
     } else {
-      // d_outᵀ made contiguous first: oneDNN ran this GEMM 1.15-1.4x faster than on the
-      // transposed view (Qwen3-30B-A3B shapes, bf16).
-      at::mm_out(grad_w, d_out.t().contiguous(), in);
+      base_mm_tn_out(grad_w, d_out, in);
     }
   }
   if (pg.need_b) {
@@ -148,7 +147,7 @@ std::vector<at::Tensor> moe_backward_cpu(
 
   for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
     // Rows [n, padded) are zeros (see padded_rows): they add nothing to any gradient.
-    const int64_t e = blk.expert, n = blk.end - blk.begin, padded = padded_rows(n);
+    const int64_t e = blk.expert, n = blk.end - blk.begin, padded = padded_rows(n, in.x.scalar_type());
     const at::Tensor tokens = routing.sorted_tokens.narrow(0, blk.begin, n);
     const at::Tensor w = gather_rows_padded(in.weights.view({-1, 1}), routing.sorted_pairs.narrow(0, blk.begin, n),
                                             padded).view({padded});

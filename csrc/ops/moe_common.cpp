@@ -1,5 +1,7 @@
 #include "ops/moe_common.h"
 
+#include "ops/base_gemm.h"
+
 #include "ops/small_gemm.h"
 #include "ops/thin_gemm.h"
 
@@ -78,7 +80,8 @@ void combine_rows(const BlockRows& rows, const at::Tensor& row_of_pair,
   });
 }
 
-int64_t padded_rows(int64_t n) {
+int64_t padded_rows(int64_t n, at::ScalarType dtype) {
+  if (dtype != at::kBFloat16 || !native_bf16_gemms()) return n;
   if (n <= 16) {
     int64_t p = 1;
     while (p < n) p *= 2;

@@ -61,8 +61,9 @@ void combine_rows(const BlockRows& rows, const at::Tensor& row_of_pair,
 // Row count a block is padded to (with zero rows) before its GEMMs. oneDNN builds (JITs)
 // a kernel for every new GEMM shape, and the rows per expert change every step: without
 // padding, backward spent most of its time building kernels. Buckets: powers of two up to
-// 16, then multiples of 16.
-int64_t padded_rows(int64_t n);
+// 16, then multiples of 16. Only bf16 on native bf16 GEMMs (base_gemm.h) runs oneDNN; MKL's
+// float GEMMs build nothing per shape, so every other case gets n (no wasted rows).
+int64_t padded_rows(int64_t n, at::ScalarType dtype);
 
 // src.index_select(0, index) followed by zero rows up to `padded` rows.
 at::Tensor gather_rows_padded(const at::Tensor& src, const at::Tensor& index, int64_t padded);

@@ -5,7 +5,8 @@
 //   o = h·Wdᵀ + s·(h·Adᵀ)·Bdᵀ
 // and then y[t] = Σ_j w[t, j]·o[t, j] in fixed slot order. Base GEMMs are oneDNN's, on
 // pre-packed weights with gate|up fused into one GEMM when the weights stay unchanged
-// (packed_weights.h), else ATen's at::mm;
+// (packed_weights.h, CPUs with native bf16 GEMMs), else base_gemm.h's (ATen, or bf16
+// converted to float32 panels where the CPU has no fast bf16 GEMM);
 // one thread each, blocks spread over torch's intra-op threads; the rank-r LoRA updates
 // (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own. Blocks of a few
 // rows (decode) skip the GEMMs: their projections are row dot products over the expert's
@@ -14,6 +15,7 @@
 
 #include <algorithm>
 
+#include "ops/base_gemm.h"
 #include "ops/large_alloc.h"
 #include "ops/moe_common.h"
 #include "ops/packed_weights.h"
@@ -77,7 +79,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     const bool gemv = n <= kGemvMaxRows;
     // GEMMs get padded rows (see padded_rows); the row dot products need none.
     const at::Tensor x_e = gather_rows_padded(in.x, routing.sorted_tokens.narrow(0, blk.begin, n),
-                                              gemv ? n : padded_rows(n));
+                                              gemv ? n : padded_rows(n, in.x.scalar_type()));
     at::Tensor g, u;  // [p, I] each; column halves of one [p, 2I] result on packed weights
     if (gemv) {
       g = thin_gemm_nt(x_e, in.gate[e]);
@@ -87,8 +89,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
       g = gu.narrow(1, 0, I);
       u = gu.narrow(1, I, I);
     } else {
-      g = at::mm(x_e, in.gate[e].t());
-      u = at::mm(x_e, in.up[e].t());
+      g = base_mm_nt(x_e, in.gate[e]);
+      u = base_mm_nt(x_e, in.up[e]);
     }
     add_lora(g, x_e, expert_slice(in.lora.gate_a, e), expert_slice(gate_b_t, e), in.scale);
     add_lora(u, x_e, expert_slice(in.lora.up_a, e), expert_slice(up_b_t, e), in.scale);
@@ -98,7 +100,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     }
     const at::Tensor h = swiglu(g, u);
     at::Tensor o = gemv ? thin_gemm_nt(h, in.down[e])
-                        : packed ? packed_linear(h, packed->down[e]) : at::mm(h, in.down[e].t());
+                        : packed ? packed_linear(h, packed->down[e]) : base_mm_nt(h, in.down[e]);
     add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
     expert_out.keep(blk.begin, n, o);
   });

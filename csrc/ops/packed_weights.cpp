@@ -1,5 +1,7 @@
 #include "ops/packed_weights.h"
 
+#include "ops/base_gemm.h"
+
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/StorageImpl.h>
@@ -129,7 +131,9 @@ int64_t cached_bytes() {  // callers hold cache_mutex
 }
 
 bool packable(const at::Tensor& gate) {
-  return weight_packing_enabled() && gate.scalar_type() == at::kBFloat16 && gate.device().is_cpu() &&
+  // Only where bf16 GEMMs are oneDNN's own (base_gemm.h): elsewhere oneDNN's bf16 reorder is
+  // either refused (CPUs without AVX-512) or no faster than the float32 panel path.
+  return weight_packing_enabled() && native_bf16_gemms() && gate.scalar_type() == at::kBFloat16 && gate.device().is_cpu() &&
          gate.size(0) > 0 && gate.numel() > 0 && at::globalContext().userEnabledMkldnn();
 }
 

@@ -79,6 +79,8 @@ TORCH_LIBRARY(kt, m) {
   m.def("_cpu_isa() -> str");
   m.def("_best_cpu_isa() -> str");
   m.def("_set_cpu_isa(str isa) -> ()");
+  // How kt.moe's base-weight GEMMs of a dtype run on the active path (csrc/ops/base_gemm.h).
+  m.def("_base_gemm_path(ScalarType dtype) -> str");
   // Pre-packed expert weights (csrc/ops/packed_weights.h): switch, and {sets, bytes} cached.
   m.def("_set_weight_packing(bool enabled) -> ()");
   m.def("_weight_packing_enabled() -> bool");
@@ -92,6 +94,10 @@ TORCH_LIBRARY(kt, m) {
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_swiglu_forward(Tensor g, Tensor u, str isa) -> Tensor");
+  // The bf16-to-float32 panel GEMMs of base_gemm.h (x·wᵀ, d·w [+ addend], aᵀ·b).
+  m.def("_panel_mm_nt(Tensor x, Tensor w) -> Tensor");
+  m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
+  m.def("_panel_mm_tn(Tensor a, Tensor b) -> Tensor");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");

@@ -1,0 +1,159 @@
+#include "ops/base_gemm.h"
+
+#include <algorithm>
+
+#include "ops/convert_rows.h"
+
+namespace kt {
+namespace {
+
+// Weight values converted per panel: 128 Ki floats (512 KiB) stay in L2 on the CPUs we target
+// while ATen's GEMM packs them, and cost a few dozen µs of conversion per panel against a
+// GEMM of hundreds of µs on a 64-row block.
+constexpr int64_t kPanelValues = 128 * 1024;
+
+// Rows of a [rows, row_len] panel: a multiple of 16 (GEMM tiles), at least 16, at most total.
+int64_t panel_rows(int64_t row_len, int64_t total) {
+  const int64_t rows = std::max<int64_t>(16, kPanelValues / std::max<int64_t>(row_len, 1) / 16 * 16);
+  return std::min(rows, total);
+}
+
+// The dtype the panel path computes in: float64 for float64, float32 otherwise.
+at::ScalarType work_type(const at::Tensor& t) { return t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat; }
+
+// dst = src (2-d, same shape): our conversion kernels for bf16 <-> float32 with contiguous
+// rows (ATen's copy_ cost ~5 µs of setup per panel, a third of the conversions' time), ATen's
+// copy_ for everything else.
+void copy_rows(at::Tensor dst, const at::Tensor& src) {
+  const bool rows_contiguous = (dst.size(1) <= 1 || dst.stride(1) == 1) && (src.size(1) <= 1 || src.stride(1) == 1);
+  const auto from = src.scalar_type(), to = dst.scalar_type();
+  if (rows_contiguous && from == at::kBFloat16 && to == at::kFloat) {
+    bf16_rows_to_float(reinterpret_cast<const uint16_t*>(src.const_data_ptr()), src.stride(0),
+                       dst.mutable_data_ptr<float>(), dst.stride(0), dst.size(0), dst.size(1), active_cpu_isa());
+  } else if (rows_contiguous && from == at::kFloat && to == at::kBFloat16) {
+    float_rows_to_bf16(src.const_data_ptr<float>(), src.stride(0), reinterpret_cast<uint16_t*>(dst.mutable_data_ptr()),
+                       dst.stride(0), dst.size(0), dst.size(1), active_cpu_isa());
+  } else {
+    dst.copy_(src);
+  }
+}
+
+// src in the work dtype, contiguous (src itself when it already is).
+at::Tensor to_work(const at::Tensor& src, at::ScalarType work) {
+  if (src.scalar_type() == work && src.is_contiguous()) return src;
+  at::Tensor out = at::empty(src.sizes(), src.options().dtype(work));
+  copy_rows(out, src);
+  return out;
+}
+
+bool converts(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && !native_bf16_gemms(); }
+
+void check_2d(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2, "base GEMM: ", what, " must be 2-d, got ", t.dim(), "-d");
+}
+
+}  // namespace
+
+bool native_bf16_gemms() { return active_cpu_isa() == CpuIsa::kAvx512Bf16; }
+
+const char* base_gemm_path(at::ScalarType dtype) {
+  if (dtype != at::kBFloat16) return "mkl";
+  return native_bf16_gemms() ? "onednn_bf16" : "bf16_to_fp32_panels";
+}
+
+at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w) {
+  check_2d(x, "x");
+  check_2d(w, "w");
+  TORCH_CHECK(x.size(1) == w.size(1), "panel_mm_nt: x [M, K] and w [N, K] disagree on K");
+  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  at::Tensor out = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return out;
+  const auto work = x.options().dtype(work_type(x));
+  const at::Tensor x_w = to_work(x, work_type(x));
+  const int64_t nc = panel_rows(K, N);
+  at::Tensor panel = at::empty({nc, K}, work);
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t rows = std::min(nc, N - n0);
+    at::Tensor p = panel.narrow(0, 0, rows);
+    copy_rows(p, w.narrow(0, n0, rows));  // rows n0.. of w, converted: the panel
+    copy_rows(out.narrow(1, n0, rows), at::mm(x_w, p.t()));  // [M, rows], rounded once
+  }
+  return out;
+}
+
+at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend) {
+  check_2d(d, "d");
+  check_2d(w, "w");
+  TORCH_CHECK(d.size(1) == w.size(0), "panel_mm_nn: d [M, N] and w [N, K] disagree on N");
+  const int64_t M = d.size(0), N = d.size(1), K = w.size(1);
+  const auto work = d.options().dtype(work_type(d));
+  // The float accumulator of the whole result; each panel of w's rows adds its share.
+  at::Tensor acc = at::empty({M, K}, work);
+  if (addend.has_value()) {
+    copy_rows(acc, *addend);
+  } else {
+    acc.zero_();
+  }
+  at::Tensor out = at::empty({M, K}, d.options());
+  if (M == 0 || N == 0 || K == 0) {
+    copy_rows(out, acc);
+    return out;
+  }
+  const at::Tensor d_w = to_work(d, work_type(d));
+  const int64_t nc = panel_rows(K, N);
+  at::Tensor panel = at::empty({nc, K}, work);
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t rows = std::min(nc, N - n0);
+    at::Tensor p = panel.narrow(0, 0, rows);
+    copy_rows(p, w.narrow(0, n0, rows));
+    acc.addmm_(d_w.narrow(1, n0, rows), p);
+  }
+  copy_rows(out, acc);
+  return out;
+}
+
+void panel_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  check_2d(a, "a");
+  check_2d(b, "b");
+  TORCH_CHECK(a.size(0) == b.size(0) && out.dim() == 2 && out.size(0) == a.size(1) && out.size(1) == b.size(1),
+              "panel_mm_tn_out: expected a [M, N], b [M, K], out [N, K]");
+  const int64_t N = a.size(1), K = b.size(1);
+  if (N == 0 || K == 0) return;
+  const at::ScalarType work = work_type(a);
+  // a and b are activations (a block's rows): converted whole. The result goes out in row
+  // panels, each computed in float and rounded once.
+  const at::Tensor a_w = to_work(a, work), b_w = to_work(b, work);
+  const int64_t nr = panel_rows(K, N);
+  at::Tensor tile = at::empty({nr, K}, a.options().dtype(work));
+  for (int64_t n0 = 0; n0 < N; n0 += nr) {
+    const int64_t rows = std::min(nr, N - n0);
+    at::Tensor t = tile.narrow(0, 0, rows);
+    at::mm_out(t, a_w.narrow(1, n0, rows).t(), b_w);
+    copy_rows(out.narrow(0, n0, rows), t);
+  }
+}
+
+at::Tensor base_mm_nt(const at::Tensor& x, const at::Tensor& w) {
+  return converts(x) ? panel_mm_nt(x, w) : at::mm(x, w.t());
+}
+
+at::Tensor base_mm_nn(const at::Tensor& d, const at::Tensor& w) {
+  return converts(d) ? panel_mm_nn(d, w, std::nullopt) : at::mm(d, w);
+}
+
+void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const at::Tensor& w) {
+  if (converts(d)) {
+    out.copy_(panel_mm_nn(d, w, out));
+  } else {
+    out.addmm_(d, w);
+  }
+}
+
+void base_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {
+  if (converts(a)) return panel_mm_tn_out(out, a, b);
+  // aᵀ made contiguous first: oneDNN ran this GEMM 1.15-1.4x faster than on the transposed
+  // view (Qwen3-30B-A3B shapes, bf16).
+  at::mm_out(out, a.t().contiguous(), b);
+}
+
+}  // namespace kt

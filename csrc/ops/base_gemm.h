@@ -1,0 +1,50 @@
+// The GEMMs of kt.moe with the expert's base weights (the gate, up and down projections, their
+// input gradients and full mode's weight gradients), on whichever path is fast on this CPU.
+//
+//   float32, float64: ATen's GEMMs (MKL).
+//   bfloat16 on the avx512_bf16 path: ATen's bf16 GEMMs (oneDNN's AVX512-BF16 / AMX kernels).
+//   bfloat16 on every other path (avx512 without BF16, avx2, portable): oneDNN has no fast bf16
+//     GEMM there (ATen's bf16 mm ran 16-19 GFLOP/s on one AVX2 Zen core against 70-77 GFLOP/s
+//     in fp32), so the bf16 operands are converted to float32 one panel at a time (a panel: a
+//     few dozen weight rows, about 512 KiB, cache resident), multiplied by ATen's float32 GEMM
+//     with float32 accumulation and rounded to bf16 once at the end: the numerics of oneDNN's
+//     bf16 GEMMs, at the float32 FMA rate, with no float32 copy of a whole weight ever made.
+//
+// The choice follows the active path (cpu_isa.h), so KT_OPS_CPU_ISA=avx2 takes on any CPU
+// exactly the route a CPU without AVX-512 takes. Single-threaded when called inside a parallel
+// region (the expert blocks' threads), like the ATen GEMMs they wrap.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include "ops/cpu_isa.h"
+
+namespace kt {
+
+// True when bf16 GEMMs on the active path are oneDNN's native ones (and may be pre-packed,
+// see packed_weights.h); false where kt_ops converts bf16 panels to float32.
+bool native_bf16_gemms();
+
+// How the base GEMMs of `dtype` run on the active path: "mkl" (float32/float64),
+// "onednn_bf16" or "bf16_to_fp32_panels". Reported by the benchmarks.
+const char* base_gemm_path(at::ScalarType dtype);
+
+// x·wᵀ: x [M, K], w [N, K] (rows contiguous) -> [M, N] in x's dtype.
+at::Tensor base_mm_nt(const at::Tensor& x, const at::Tensor& w);
+
+// d·w: d [M, N], w [N, K] (rows contiguous) -> [M, K] in d's dtype.
+at::Tensor base_mm_nn(const at::Tensor& d, const at::Tensor& w);
+
+// out += d·w, out [M, K] (rows contiguous).
+void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const at::Tensor& w);
+
+// out = aᵀ·b: a [M, N], b [M, K], out [N, K] contiguous (a weight gradient, written not added).
+void base_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+
+// The same GEMMs forcing the bf16-to-float32 panel path whatever the CPU (tests compare it with
+// ATen). Any floating dtype; the result is rounded to the inputs' dtype.
+at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w);
+at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend);
+void panel_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+
+}  // namespace kt
