@@ -1,13 +1,18 @@
 """Pre-packed expert weights (csrc/ops/packed_weights.h): packed after three calls with the
 same weights, results equal to the unpacked op and the float64 reference, never stale after
 an in-place update, never packed when weights change every step, dropped when freed or
-switched off."""
+switched off.
+
+Packing is oneDNN's bf16 reorder, used on the avx512_bf16 path only: these tests run there
+(forced with use_cpu_isa, whatever KT_OPS_CPU_ISA says) and skip on CPUs without AVX512-BF16.
+That no other path ever packs is tested in test_base_gemm.py on every CPU."""
 import gc
 
 import pytest
 import torch
 
 import kt_ops
+from kt_ops.cpu_isa import best_cpu_isa, supported_cpu_isas
 from kt_ops.weight_packing import (packed_weights_info, release_packed_weights, set_weight_packing,
                                    weight_packing_enabled)
 from moe_samples import make_moe_inputs
@@ -15,13 +20,18 @@ from moe_testing import TOLERANCE, grad_output_for, rel_err, run_op, run_referen
 
 PACK_AFTER = 3  # kPackAfterCalls
 
+pytestmark = pytest.mark.skipif(
+    "avx512_bf16" not in supported_cpu_isas(),
+    reason=f"weight packing needs AVX512-BF16 (oneDNN's bf16 reorder); this CPU's best path is {best_cpu_isa()}")
+
 
 @pytest.fixture(autouse=True)
 def fresh_cache():
-    """Each test starts with packing on and an empty cache."""
+    """Each test starts on the avx512_bf16 path with packing on and an empty cache."""
     set_weight_packing(False)
     set_weight_packing(True)
-    yield
+    with kt_ops.use_cpu_isa("avx512_bf16"):
+        yield
     set_weight_packing(False)
     set_weight_packing(True)
 
@@ -150,7 +160,7 @@ def test_budget_zero_never_packs():
             "kw = make_moe_inputs(T_shape=(8,), H=64, I=48, E=4, K=2, r=2, dtype=__import__('torch').bfloat16, mode='lora')\n"
             "[kt_ops.moe(**kw) for _ in range(5)]\n"
             "print(kt_ops.packed_weights_info()['sets'])")
-    env = dict(__import__("os").environ, KT_OPS_PACK_WEIGHTS_BUDGET_MB="0")
+    env = dict(__import__("os").environ, KT_OPS_PACK_WEIGHTS_BUDGET_MB="0", KT_OPS_CPU_ISA="avx512_bf16")
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert res.returncode == 0, res.stderr
     assert res.stdout.strip() == "0"

@@ -3,6 +3,7 @@
 #include <torch/library.h>
 
 #include "ops/base_gemm.h"
+#include "ops/convert_rows.h"
 #include "ops/cpu_isa.h"
 #include "ops/large_alloc.h"
 #include "ops/packed_weights.h"
@@ -20,6 +21,23 @@ std::string best_isa() { return cpu_isa_name(best_cpu_isa()); }
 void set_cpu_isa(const std::string& name) { set_active_cpu_isa(parse_cpu_isa(name, "isa")); }
 
 std::string base_gemm_path_op(at::ScalarType dtype) { return base_gemm_path(dtype); }
+
+// src [rows, cols] (rows contiguous) bf16 -> float32 or float32 -> bf16 on one path.
+at::Tensor convert_rows_op(const at::Tensor& src, at::ScalarType dtype, const std::string& isa) {
+  TORCH_CHECK(src.dim() == 2 && src.stride(1) == 1, "_convert_rows: src must be 2-d with contiguous rows");
+  const CpuIsa path = parse_cpu_isa(isa, "isa");
+  at::Tensor dst = at::empty(src.sizes(), src.options().dtype(dtype));
+  if (src.scalar_type() == at::kBFloat16 && dtype == at::kFloat) {
+    bf16_rows_to_float(reinterpret_cast<const uint16_t*>(src.const_data_ptr()), src.stride(0),
+                       dst.mutable_data_ptr<float>(), dst.stride(0), src.size(0), src.size(1), path);
+  } else if (src.scalar_type() == at::kFloat && dtype == at::kBFloat16) {
+    float_rows_to_bf16(src.const_data_ptr<float>(), src.stride(0), reinterpret_cast<uint16_t*>(dst.mutable_data_ptr()),
+                       dst.stride(0), src.size(0), src.size(1), path);
+  } else {
+    TORCH_CHECK_VALUE(false, "_convert_rows: expected bfloat16 -> float32 or float32 -> bfloat16");
+  }
+  return dst;
+}
 
 at::Tensor panel_mm_tn_op(const at::Tensor& a, const at::Tensor& b) {
   at::Tensor out = at::empty({a.size(1), b.size(1)}, a.options());
@@ -83,6 +101,7 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_panel_mm_nt", &panel_mm_nt);
   m.impl("_panel_mm_nn", &panel_mm_nn);
   m.impl("_panel_mm_tn", &panel_mm_tn_op);
+  m.impl("_convert_rows", &convert_rows_op);
 }
 
 }  // namespace kt

@@ -98,6 +98,7 @@ TORCH_LIBRARY(kt, m) {
   m.def("_panel_mm_nt(Tensor x, Tensor w) -> Tensor");
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
   m.def("_panel_mm_tn(Tensor a, Tensor b) -> Tensor");
+  m.def("_convert_rows(Tensor src, ScalarType dtype, str isa) -> Tensor");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
