@@ -1,10 +1,10 @@
 """Eager PyTorch baselines for ``kt.moe``.
 
-* ``HFLoopMoE`` (below, used by ``bench_moe.py`` and ``suite.py``): a Hugging Face-style sparse
+* ``HFLoopMoE`` (below, used by ``bench_moe.py`` and the ``suite``): a Hugging Face-style sparse
   MoE block with PEFT LoRA;
-* ``SortedMoE`` (``suite.py``): pairs sorted by expert, one fused gate|up ``mm`` per expert,
+* ``SortedMoE`` (the ``suite``): pairs sorted by expert, one fused gate|up ``mm`` per expert,
   ``index_add_``, eager autograd: well-written plain PyTorch;
-* ``GroupedMMMoE`` (``suite.py``): the same with ``torch._grouped_mm`` instead of the loop.
+* ``GroupedMMMoE`` (the ``suite``): the same with ``torch._grouped_mm`` instead of the loop.
 
 ``HFLoopMoE``: a Hugging Face-style sparse MoE block with PEFT LoRA.
 

@@ -1,8 +1,9 @@
-"""Helpers shared by the benchmarks (``bench_moe.py``, ``suite.py``, ``thread_scaling.py``,
-``buffer_reuse.py``).
+"""Helpers shared by the benchmarks (``bench_moe.py``, the ``suite`` package,
+``thread_scaling.py``, ``buffer_reuse.py``).
 
-The problem generator, FLOP count, error metric, step container and table rendering live here
-so that the scripts measure and report the same way.
+The problem generator, FLOP count, error metric, step container, machine description (CPU model
+and flags, the code path kt_ops takes) and table rendering live here so that the scripts
+measure and report the same way.
 """
 import os
 import platform
@@ -13,23 +14,54 @@ import torch
 import torch.nn.functional as F
 
 import kt_ops
+from kt_ops.cpu_isa import best_cpu_isa  # (the attribute kt_ops.cpu_isa is the function)
 
 DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16,
           "fp32": torch.float32, "float32": torch.float32,
           "fp64": torch.float64, "float64": torch.float64}
 BASE = ("gate_proj", "up_proj", "down_proj")
 LORA = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
+# The /proc/cpuinfo flags that decide kt_ops' kernels and the bf16 GEMMs of oneDNN / MKL.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16")
+# The environment variables that override those choices.
+PATH_ENV = ("KT_OPS_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
 
 
-def cpu_model() -> str:
+def _cpuinfo(key: str) -> Optional[str]:
+    """The value of the first ``key : value`` line of /proc/cpuinfo (None where unreadable)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                name, sep, value = line.partition(":")
+                if sep and name.strip() == key:
+                    return value.strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags(names: Sequence[str] = CPU_FLAGS) -> Optional[Dict[str, bool]]:
+    """``{flag: listed}`` for each of ``names`` in /proc/cpuinfo's flags (None where unreadable)."""
+    listed = _cpuinfo("flags")
+    if listed is None:
+        return None
+    listed = set(listed.split())
+    return {n: n in listed for n in names}
+
+
+def code_path() -> dict:
+    """The CPU code path kt_ops takes in this process: ``cpu_isa`` (its kernels' instruction set
+    now) and ``best_cpu_isa``, ``base_gemm_path`` of bf16 base GEMMs (``onednn_bf16`` or
+    ``bf16_to_fp32_panels``), ``weight_packing``
+    (bool), ``env`` (each of PATH_ENV: its value or ``unset``) and ``cpu_flags`` (cpu_flags())."""
+    return dict(cpu_isa=kt_ops.cpu_isa(), best_cpu_isa=best_cpu_isa(),
+                base_gemm_path=torch.ops.kt._base_gemm_path(torch.bfloat16),
+                weight_packing=kt_ops.weight_packing_enabled(),
+                env={v: os.environ.get(v, "unset") for v in PATH_ENV}, cpu_flags=cpu_flags())
 
 
 def load_average() -> Optional[float]:
@@ -154,6 +186,10 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     den = torch.linalg.vector_norm(b).item()
     num = torch.linalg.vector_norm(a - b).item()
     return num / den if den > 0 else num
+
+
+class Unavailable(Exception):
+    """An implementation that cannot run here (the message says why)."""
 
 
 class Impl:

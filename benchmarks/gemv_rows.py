@@ -1,5 +1,6 @@
-"""Few-row projections on one thread: kt's row dot products (thin_gemm_nt) against torch.mm
-(oneDNN) on Qwen3-30B-A3B expert gate weights, at 1..16 rows; and the weight gradient
+"""Few-row projections on one thread: kt's row dot products (thin_gemm_nt) against the GEMM
+kt.moe uses for larger blocks on this path (torch.mm = oneDNN on avx512_bf16; elsewhere the
+bf16-to-fp32 panel GEMM of csrc/ops/base_gemm.h) on Qwen3-30B-A3B expert gate weights, at 1..16 rows; and the weight gradient
 dW = dᵀ·x of such a projection as small_gemm's outer-product sum against torch.mm. These are
 the measurements behind forward's GEMV cut (kGemvMaxRows in csrc/ops/moe_forward.cpp) and
 backward's outer-product cut (kOuterProductMaxRows in csrc/ops/moe_backward.cpp).
@@ -40,8 +41,12 @@ def main(argv=None):
         w = torch.randn(args.experts, args.intermediate, args.hidden, generator=gen).to(torch.bfloat16)
         weight_bytes = w[0].numel() * w.element_size()
         isa = kt_ops.cpu_isa()
+        route = torch.ops.kt._base_gemm_path(torch.bfloat16)
+        native = route == "onednn_bf16"
+        base_mm = (lambda a, b: torch.mm(a, b.t())) if native else torch.ops.kt._panel_mm_nt  # a·bᵀ
+        base_mm_tn = (lambda a, b: torch.mm(a.t(), b)) if native else torch.ops.kt._panel_mm_tn  # aᵀ·b
         print(f"one thread, bf16, weight [{args.intermediate}, {args.hidden}] per expert, "
-              f"{args.experts} experts, cpu path {isa}")
+              f"{args.experts} experts, cpu path {isa}, mm = kt.moe's base GEMM ({route})")
         print(f"{'rows':>4} | {'thin ms':>8} {'GB/s':>6} | {'mm ms':>8} {'GB/s':>6} | mm / thin | "
               f"dW: {'small ms':>8} {'mm ms':>8} | mm / small")
         rows = []
@@ -50,9 +55,9 @@ def main(argv=None):
             d_t = torch.randn(args.intermediate, m, generator=gen).to(torch.bfloat16)  # dᵀ, contiguous
             kernels = {
                 "thin": lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa),
-                "mm": lambda e: torch.mm(x, w[e].t()),
+                "mm": lambda e: base_mm(x, w[e]),
                 "dw_small": lambda e: torch.ops.kt._small_gemm(None, d_t, x, 1.0, torch.bfloat16, isa),
-                "dw_mm": lambda e: torch.mm(d_t, x),
+                "dw_mm": lambda e: base_mm_tn(d_t.t(), x),
             }
             best = {k: float("inf") for k in kernels}
             for _ in range(args.repeats):

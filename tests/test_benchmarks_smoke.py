@@ -11,16 +11,27 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_suite_smoke_run_reports_every_mode_with_small_errors(tmp_path):
     out = tmp_path / "suite.json"
     subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--cases", "tiny-t1", "--repeats", "1",
-                    "--warmup", "0", "--memory", "off", "--impls", "kt.moe,sorted-mm", "--json", str(out)],
+                    "--warmup", "0", "--memory", "off", "--impls", "kt.moe,kt.moe-fp32,sorted-mm",
+                    "--json", str(out)],
                    cwd=REPO, check=True, timeout=300, capture_output=True)
     report = json.loads(out.read_text())
     assert report["finished"]
     rows = {(r["mode"], r["impl"]): r for r in report["rows"]}
     for mode in ("fwd", "lora", "full"):
-        kt = rows[(mode, "kt.moe")]
-        assert kt["status"] == "ok" and kt["tok_s"] > 0, kt
-        assert kt["out_err"] < 1e-2, kt
-        assert mode == "fwd" or kt["grad_err"] < 1e-2, kt
+        # kt.moe-fp32 is compared with the same bf16 reference: the error is the reference's rounding
+        for impl in ("kt.moe", "kt.moe-fp32"):
+            r = rows[(mode, impl)]
+            assert r["status"] == "ok" and r["tok_s"] > 0, r
+            assert r["out_err"] < 1e-2, r
+            assert mode == "fwd" or r["grad_err"] < 1e-2, r
+        for ceiling in ("mm-ceiling", "mm-ceiling-fp32"):
+            assert rows[(mode, ceiling)]["status"] == "ok", rows[(mode, ceiling)]
+    for s in report["summary"]:
+        assert s["vs_kt.moe-fp32"] > 0 and s["pct_ceiling_fp32"] > 0 and s["ceiling_fp32"] > 0, s
+    meta = report["meta"]
+    assert meta["cpu_isa"] in ("portable", "avx2", "avx512", "avx512_bf16"), meta
+    assert meta["base_gemm_path"] in ("onednn_bf16", "bf16_to_fp32_panels", "unknown"), meta
+    assert set(meta["env"]) == {"KT_OPS_CPU_ISA", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"}, meta
 
 
 def test_thread_scaling_runs_every_mode():

@@ -1,0 +1,126 @@
+"""The timed implementations: kt.moe in bf16 and in float32, the eager baselines (sorted-mm,
+grouped-mm, hf-loop) and kt-kernel. Each is a ``common.Impl`` (step, reset, grads) with a
+``.close()`` that frees what it holds."""
+from typing import Callable, Dict
+
+import torch
+
+import kt_ops
+from benchmarks.baselines import GroupedMMMoE, HFLoopMoE, SortedMoE
+from benchmarks.common import BASE, LORA, Impl, make_step, mark_updated_in_place
+from benchmarks.suite.kt_kernel import build_kt_kernel
+
+IMPLS = ("kt.moe", "kt.moe-fp32", "sorted-mm", "grouped-mm", "hf-loop", "kt-kernel")
+REFERENCE = "sorted-mm"  # the correctness reference of every other implementation
+KT_MOE_DTYPES = {"kt.moe": torch.bfloat16, "kt.moe-fp32": torch.float32}
+
+
+def _trained(mode: str) -> tuple:
+    """The problem tensors that require grad in ``mode`` (besides the hidden states)."""
+    return LORA if mode == "lora" else BASE if mode == "full" else ()
+
+
+def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl:
+    """Implementation ``name`` (one of IMPLS) for ``mode`` on the bf16 problem ``prob`` of
+    ``cases.case_problem``; ``cfg`` is its ``cases.problem_config``. kt-kernel raises
+    ``common.Unavailable`` where it cannot run."""
+    if name in KT_MOE_DTYPES:
+        return _build_kt_moe(name, mode, prob, cfg)
+    if name in ("sorted-mm", "grouped-mm"):
+        return _build_sorted(name, mode, prob, cfg)
+    if name == "hf-loop":
+        return _build_hf_loop(mode, prob, cfg)
+    if name == "kt-kernel":
+        return build_kt_kernel(mode, prob, cfg)
+    raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
+
+
+def _build_kt_moe(name: str, mode: str, prob, cfg) -> Impl:
+    """kt.moe on the problem converted to ``KT_MOE_DTYPES[name]``: for float32, copies of the
+    same routing weights, hidden states, weights, LoRA tensors and dy; for bf16, the problem's
+    own tensors (``to`` returns them)."""
+    dtype = KT_MOE_DTYPES[name]
+    train, trained, use_lora = mode != "fwd", _trained(mode), mode == "lora"
+    x = prob["hidden"].to(dtype).detach().requires_grad_(train)
+    wt = {n: prob[n].to(dtype).detach().requires_grad_(n in trained)
+          for n in BASE + (LORA if use_lora else ())}
+    lora = [wt[n] for n in LORA] if use_lora else [None] * 6
+    ids, w = prob["topk_ids"], prob["topk_weights"].to(dtype)
+
+    def forward():
+        return kt_ops.moe(x, ids, w, wt["gate_proj"], wt["up_proj"], wt["down_proj"],
+                          *lora, cfg.lora_scale)
+
+    def reset():
+        x.grad = None
+        for t in wt.values():
+            t.grad = None
+        if mode == "full":  # an optimizer step would change them: no pre-packed copies
+            mark_updated_in_place(wt[n] for n in BASE)
+
+    def grads():
+        return {"hidden": x.grad, **{n: wt[n].grad for n in trained}}
+
+    impl = Impl(name, make_step(forward, train, prob["dy"].to(dtype)), reset, grads)
+    # The packed copies must not outlive the impl. Only bf16 weights are packed, and releasing
+    # from the fp32 impl would also drop the bf16 impl's copies in the middle of its timing.
+    impl.close = kt_ops.release_packed_weights if dtype == torch.bfloat16 else (lambda: None)
+    return impl
+
+
+def _build_sorted(name: str, mode: str, prob, cfg) -> Impl:
+    """sorted-mm (``SortedMoE``) or grouped-mm (``GroupedMMMoE``) on the fused ``w13``."""
+    trained = _trained(mode)
+    cls = SortedMoE if name == "sorted-mm" else GroupedMMMoE
+    model = cls(*(prob[n] for n in BASE),
+                *((prob[n] for n in LORA) if mode == "lora" else ()),
+                lora_scale=cfg.lora_scale, w13=prob["w13"])
+    model.set_trainable(trained)
+    x = prob["hidden"].detach().requires_grad_(mode != "fwd")
+    return _module_impl(name, mode, model, x, prob, lambda m: m.stacked_grads(trained))
+
+
+def _build_hf_loop(mode: str, prob, cfg) -> Impl:
+    """The HF / PEFT-style per-expert loop (``HFLoopMoE``), on its own copies of the weights."""
+    train, trained, use_lora = mode != "fwd", _trained(mode), mode == "lora"
+    model = HFLoopMoE(*(prob[n] for n in BASE),
+                      *((prob[n] for n in LORA) if use_lora else [None] * 6),
+                      lora_scale=cfg.lora_scale)
+    for pname, p in model.named_parameters():
+        leaf = pname.rsplit(".", 1)[0]  # e.g. experts.3.gate_proj.lora_A
+        is_lora = leaf.endswith("lora_A") or leaf.endswith("lora_B")
+        p.requires_grad_(train and (is_lora if use_lora else not is_lora))
+    x = prob["hidden"].detach().clone().requires_grad_(train)
+    return _module_impl("hf-loop", mode, model, x, prob,
+                        lambda m: m.stacked_grads(trained, prob))
+
+
+def _module_impl(name: str, mode: str, model: torch.nn.Module, x: torch.Tensor, prob,
+                 stacked_grads: Callable[[torch.nn.Module], Dict[str, torch.Tensor]]) -> Impl:
+    """A baseline module called as ``model(x, ids, w)``; ``close`` drops the module so that its
+    weights are freed."""
+    held = {"model": model}
+    ids, w = prob["topk_ids"], prob["topk_weights"]
+
+    def forward():
+        return held["model"](x, ids, w)
+
+    def reset():
+        x.grad = None
+        held["model"].zero_grad(set_to_none=True)
+
+    def grads():
+        return {"hidden": x.grad, **stacked_grads(held["model"])}
+
+    impl = Impl(name, make_step(forward, mode != "fwd", prob["dy"]), reset, grads)
+    impl.close = held.clear
+    return impl
+
+
+def close_quietly(impl: Impl) -> None:
+    """Reset and close ``impl``, ignoring errors: one that just raised may be half broken."""
+    try:
+        impl.reset()
+        impl.close()
+    except Exception:
+        pass
