@@ -130,8 +130,8 @@ benchmarks at once on a small machine: two processes that each use 2 threads slo
 Code path: the header and the JSON ``meta`` name the path kt_ops took
 (``common.code_path()``): ``cpu_isa`` (the instruction set of its kernels now, ``KT_OPS_CPU_ISA``
 can force one) and ``best_cpu_isa``, ``base_gemm_path`` (bf16 base GEMMs through oneDNN's
-``onednn_bf16`` or as ``bf16_to_fp32_panels`` on CPUs without native bf16 GEMMs; ``unknown``
-in builds without the query op), ``weight_packing``, the environment variables
+``onednn_bf16`` or as ``bf16_to_fp32_panels`` on CPUs without native bf16 GEMMs),
+``weight_packing``, the environment variables
 ``KT_OPS_CPU_ISA``, ``ONEDNN_MAX_CPU_ISA``, ``MKL_ENABLE_INSTRUCTIONS`` (``env``, value or
 ``unset``) and which of avx2, fma, avx512f, avx512_bf16, amx_bf16 ``/proc/cpuinfo`` lists
 (``cpu_flags``).
