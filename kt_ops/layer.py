@@ -111,7 +111,7 @@ class KTMoE(nn.Module):
         if self._on_meta_device():
             return
         with torch.no_grad():
-            if isinstance(self.gate, SoftmaxTopKRouter):
+            if isinstance(getattr(self, "gate", None), SoftmaxTopKRouter):  # KTExperts has none
                 nn.init.normal_(self.gate.weight, std=self.hidden_size ** -0.5)
             expert_seed = int(torch.randint(0, 2**62, ()).item())
             if not self.is_owner:

@@ -9,12 +9,13 @@ scores, e_score_correction_bias, grouped top-k, routed_scaling_factor and shared
   the MoE block in the last layer, so that both models route identical inputs (with a
   bf16 MoE layer feeding another one, HF's per-expert bf16 rounding and kt's fp32
   accumulation differ by an ulp and a near-tie route further down can legitimately flip);
-* the experts matter (zeroing them changes the logits) and routing is bit-identical
-  (same ids and weights, weights in the architecture's dtype) on the same input;
-* layout: gate/up split from the fused gate_up_proj (gate first), CPU, dtype, requires_grad,
-  tied LoRA A of gate and up, PEFT's init; the router and shared experts are the original
-  modules; a non-owner rank keeps no expert weights;
-* errors: unsupported models list the supported architectures; already patched; non-SiLU;
+* the experts matter (zeroing them changes the logits);
+* only the experts module is swapped (kt_ops.hf.experts.KTExperts): the block, its router and
+  shared experts are the model's own objects; layout: gate/up split from the fused
+  gate_up_proj (gate first), CPU, dtype, requires_grad, tied LoRA A of gate and up, PEFT's
+  init; a non-owner rank keeps no expert weights; masked slots (id = E or < 0) add nothing;
+* "kt" as a transformers experts implementation (set_experts_implementation("kt"));
+* errors: models without transformers experts modules; already patched; non-SiLU; fp16;
 * HF gradient checkpointing with kt_ops.checkpoint_context_fn: same gradients, and the CPU
   experts run once per MoE layer per step;
 * two gloo ranks (owner_rank=0) equal the single-process patched model.
@@ -28,7 +29,8 @@ transformers = pytest.importorskip("transformers")
 
 import kt_ops  # noqa: E402
 from kt_ops import _kernels  # noqa: E402
-from kt_ops.hf.patch import HFRouter, KTSparseMoeBlock, patched_blocks  # noqa: E402
+from kt_ops.hf.patch import patched_blocks  # noqa: E402
+from kt_ops.hf.experts import KTExperts  # noqa: E402
 
 ARCHS = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 VOCAB, H = 96, 32
@@ -118,33 +120,31 @@ def test_logits_bf16(arch):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_block_routing_and_layout(arch, dtype):
+def test_experts_swapped_block_untouched(arch, dtype):
     model = tiny_model(arch, dtype=dtype)
-    names = [n for n, m in model.named_modules() if type(m).__name__ in (
-        "Qwen3MoeSparseMoeBlock", "Qwen2MoeSparseMoeBlock", "MixtralSparseMoeBlock", "DeepseekV2Moe", "DeepseekV3MoE")]
-    originals = {n: model.get_submodule(n) for n in names}
-    fused = {n: (b.experts.gate_up_proj.detach().clone(), b.experts.down_proj.detach().clone())
-             for n, b in originals.items()}
+    blocks = {n: m for n, m in model.named_modules() if hasattr(m, "experts") and hasattr(m.experts, "gate_up_proj")}
+    before = {n: (type(b), dict(b.named_children()), b.experts.gate_up_proj.detach().clone(),
+                  b.experts.down_proj.detach().clone(), b.experts) for n, b in blocks.items()}
     reference = copy.deepcopy(model)
     patched = kt_ops.patch_model(model, lora_rank=4, lora_alpha=8)
-    assert patched is model and moe_block_names(patched) == names
+    assert patched is model and moe_block_names(patched) == list(blocks)
     x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(3)).to(dtype)
-    for name in names:
-        old, block, hf = originals[name], patched.get_submodule(name), reference.get_submodule(name)
-        assert isinstance(block, KTSparseMoeBlock)
+    for name, (cls, children, gate_up, down, old_experts) in before.items():
+        block, hf = patched.get_submodule(name), reference.get_submodule(name)
+        # the model's own block, router and shared experts, as they were; only `experts` is new
+        assert type(block) is cls and isinstance(block.experts, KTExperts)
+        for child, module in children.items():
+            if child != "experts":
+                assert getattr(block, child) is module, child
+        assert old_experts.gate_up_proj is None and old_experts.down_proj is None  # dropped
         kt = block.experts
-        # the original router and shared experts, as modules, at their original names
-        assert block.gate is old.gate and isinstance(kt.gate, HFRouter) and kt.gate.router is old.gate
-        for attr in ("shared_expert", "shared_expert_gate", "shared_experts"):
-            assert getattr(block, attr, None) is getattr(old, attr, None)
-        assert old.experts.gate_up_proj is None and old.experts.down_proj is None  # dropped
         # expert weights: gate = first half of gate_up_proj, on the CPU, frozen
-        gate_up, down = fused[name]
         I = gate_up.shape[1] // 2
         assert torch.equal(kt.gate_proj, gate_up[:, :I]) and torch.equal(kt.up_proj, gate_up[:, I:])
         assert torch.equal(kt.down_proj, down)
         for p in (kt.gate_proj, kt.up_proj, kt.down_proj):
             assert p.device.type == "cpu" and p.dtype == dtype and not p.requires_grad and p.is_contiguous()
+        assert not hasattr(kt, "gate")  # no router of its own: the block routes
         # LoRA: gate/up A tied (PEFT's single LoRA on the fused gate_up_proj), PEFT's init
         E, r = kt.num_experts, 4
         assert kt.gate_lora_a is kt.up_lora_a and kt.lora_scale == 2.0
@@ -154,25 +154,53 @@ def test_block_routing_and_layout(arch, dtype):
             assert a.requires_grad and 0 < a.abs().max() <= fan_in ** -0.5
         for b in (kt.gate_lora_b, kt.up_lora_b, kt.down_lora_b):
             assert b.requires_grad and not b.any()
-        # routing bit-identical to the original router's, in its dtype
         with torch.no_grad():
-            _, ref_w, ref_ids = hf.gate(x.reshape(-1, H))
-            w, ids = kt.gate(x.reshape(-1, H))
-            assert torch.equal(ids, ref_ids) and torch.equal(w, ref_w) and w.dtype == ref_w.dtype
-            assert ids.unique().numel() > 2  # more than one expert in use
             tol = 1e-5 if dtype == torch.float32 else 1e-2
-            assert rel_err(block(x), hf(x)) <= tol  # B = 0: the block equals the original
+            out, ref = block(x), hf(x)
+            out, ref = (out[0], ref[0]) if isinstance(out, tuple) else (out, ref)
+            assert rel_err(out, ref) <= tol  # B = 0: the block equals the original
     assert patched.model.layers[-1].mlp.experts.lora_rank == 4
 
 
-def test_router_weight_dtypes_follow_the_architecture():
-    """Qwen routers return weights in the model dtype, Mixtral and DeepSeek in fp32."""
-    expect = {"qwen3_moe": torch.bfloat16, "mixtral": torch.float32, "deepseek_v3": torch.float32}
-    for arch, dtype in expect.items():
-        patched = kt_ops.patch_model(tiny_model(arch, dtype=torch.bfloat16, moe_last_only=True))
-        (block,) = [b for _, b in patched_blocks(patched)]
-        w, ids = block.experts.gate(torch.randn(3, H, dtype=torch.bfloat16))
-        assert w.dtype == dtype and ids.dtype == torch.int64 and w.shape == ids.shape == (3, 2)
+def test_masked_slots_contribute_nothing():
+    """Expert ids equal to num_experts or negative (slots the model masks) add nothing and get
+    no routing-weight gradient, as in transformers' experts loop, which skips them."""
+    model = tiny_model("qwen3_moe")
+    experts = copy.deepcopy(model.model.layers[0].mlp.experts)
+    experts.config._experts_implementation = "eager"
+    kt_experts = kt_ops.patch_model(model).model.layers[0].mlp.experts
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(6, H, generator=g)
+    E = kt_experts.num_experts
+    ids = torch.randint(0, E, (6, 2), generator=g)
+    ids[1, 0], ids[3, 1], ids[4, 0] = E, -1, E
+    w = torch.rand(6, 2, generator=g, requires_grad=True)
+    out = kt_experts(x, ids, w)
+    ref = experts(x, torch.where(ids < 0, torch.full_like(ids, E), ids), w)  # the eager loop skips id == E
+    assert rel_err(out, ref) <= 1e-6
+    out.sum().backward()
+    assert w.grad[1, 0] == 0 and w.grad[3, 1] == 0 and w.grad[4, 0] == 0 and w.grad[0].abs().sum() > 0
+
+
+def test_kt_registered_as_a_transformers_experts_implementation():
+    """``set_experts_implementation("kt")``: the unchanged experts modules run kt.moe on their
+    own weights; same logits and gradients as the eager experts."""
+    model = tiny_model("mixtral")
+    kt_model = copy.deepcopy(model)
+    kt_ops.hf.register_kt_experts()
+    kt_model.set_experts_implementation("kt")
+    model.set_experts_implementation("eager")
+    ids = input_ids()
+    _kernels.calls.clear()
+    out = kt_model(input_ids=ids, labels=ids)
+    assert _kernels.calls["moe_forward"] == 2  # two MoE layers, each through kt.moe
+    ref = model(input_ids=ids, labels=ids)
+    assert rel_err(out.logits, ref.logits) <= 1e-5
+    out.loss.backward()
+    ref.loss.backward()
+    for (name, p), q in zip(kt_model.named_parameters(), model.parameters()):
+        if q.grad is not None:
+            assert rel_err(p.grad, q.grad) <= 1e-5, name
 
 
 def test_train_base_and_deepcopy():
@@ -180,8 +208,6 @@ def test_train_base_and_deepcopy():
     kt = patched.model.layers[0].mlp.experts
     assert kt.gate_proj.requires_grad and kt.down_proj.requires_grad and kt.lora_rank == 0
     clone = copy.deepcopy(patched)
-    block = clone.model.layers[0].mlp
-    assert block.experts.gate.router is block.gate  # the adapter follows the copied router
     ids = input_ids()
     with torch.no_grad():
         assert torch.equal(clone(input_ids=ids).logits, patched(input_ids=ids).logits)
@@ -208,13 +234,13 @@ def test_non_owner_rank_drops_the_experts(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     model = tiny_model("deepseek_v3")
-    old = [model.get_submodule(n) for n, m in model.named_modules() if type(m).__name__ == "DeepseekV3MoE"]
+    old = [m.experts for m in model.modules() if type(m).__name__ == "DeepseekV3MoE"]
     patched = kt_ops.patch_model(model, lora_rank=4, owner_rank=1)
     for _, block in patched_blocks(patched):
         kt = block.experts
         assert not kt.is_owner and not hasattr(kt, "gate_proj") and not hasattr(kt, "gate_lora_a")
         assert list(kt.parameters()) == []
-    assert all(o.experts.gate_up_proj is None and o.experts.down_proj is None for o in old)
+    assert all(o.gate_up_proj is None and o.down_proj is None for o in old)
     names = [n for n, _ in patched.named_parameters()]
     assert not any(".experts." in n for n in names)
     assert any(n.endswith("mlp.gate.weight") for n in names) and any("shared_experts" in n for n in names)
@@ -236,8 +262,8 @@ def test_errors():
     llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=H, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2))
-    with pytest.raises(ValueError, match=r"no supported MoE block.*model_type='llama'.*Qwen3-MoE.*Qwen2-MoE"
-                                         r".*Mixtral.*DeepSeek-V2.*DeepSeek-V3"):
+    with pytest.raises(ValueError, match=r"no transformers experts module found.*model_type='llama'"
+                                         r".*@use_experts_implementation"):
         kt_ops.patch_model(llama)
     patched = kt_ops.patch_model(tiny_model("qwen3_moe"))
     with pytest.raises(ValueError, match="already patched"):
@@ -251,9 +277,10 @@ def test_errors():
     gelu = tiny_config("qwen3_moe")
     gelu.hidden_act = "gelu"
     model = transformers.Qwen3MoeForCausalLM(gelu)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp .*activation is GELUActivation.*SwiGLU"):
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: Qwen3MoeExperts's activation is "
+                                         r"GELUActivation.*SwiGLU"):
         kt_ops.patch_model(model)
-    assert type(model.model.layers[0].mlp).__name__ == "Qwen3MoeSparseMoeBlock"  # nothing changed
+    assert type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"  # nothing changed
     with pytest.raises(ValueError, match="expert weights are torch.float16"):
         kt_ops.patch_model(tiny_model("mixtral", dtype=torch.float16))
     with pytest.raises(ValueError, match=r"owner_rank must be in \[0, 1\)"):

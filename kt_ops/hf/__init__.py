@@ -1,7 +1,11 @@
 """Hugging Face integration: run transformers MoE models with KTMoE experts, PEFT adapters.
 
-- :func:`patch_model` replaces the MoE blocks of Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2
-  and DeepSeek-V3 models (transformers 5.x) with KTMoE-backed blocks, in place.
+- :func:`patch_model` moves the routed experts of transformers 5.x MoE models (any family
+  whose experts module follows transformers' experts contract with SwiGLU experts) onto kt:
+  each experts module becomes a :class:`KTExperts` on the owner rank's CPU, in place.
+- :func:`register_kt_experts` adds ``"kt"`` to transformers' experts implementations
+  (``model.set_experts_implementation("kt")``: kt.moe on the module's own weights);
+  patch_model calls it.
 - :func:`save_adapter` / :func:`load_adapter` write and read the expert LoRA in PEFT's
   adapter format (``adapter_model.safetensors`` + ``adapter_config.json``), interchangeable
   with ``PeftModel`` on the unpatched model.
@@ -9,6 +13,8 @@
 Importing this package does not import transformers or peft (they are imported lazily).
 """
 from kt_ops.hf.adapters import load_adapter, save_adapter
-from kt_ops.hf.patch import SUPPORTED_ARCHITECTURES, KTSparseMoeBlock, patch_model
+from kt_ops.hf.experts import KTExperts, experts_support, register_kt_experts
+from kt_ops.hf.patch import patch_model, patched_experts
 
-__all__ = ["patch_model", "save_adapter", "load_adapter", "KTSparseMoeBlock", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
+           "register_kt_experts"]

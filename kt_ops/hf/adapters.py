@@ -33,7 +33,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
-from kt_ops.hf.patch import KTSparseMoeBlock, patched_blocks
+from kt_ops.hf.patch import patched_blocks
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
@@ -46,7 +46,7 @@ _DOWN_KEYS = ("experts.lora_A.weight", "experts.lora_B.weight")
 _KEY_RE = re.compile(r"^experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
 
 
-def _blocks(model: nn.Module, who: str) -> list[tuple[str, KTSparseMoeBlock]]:
+def _blocks(model: nn.Module, who: str) -> list[tuple[str, nn.Module]]:
     if not isinstance(model, nn.Module):
         raise TypeError(f"{who}: model must be an nn.Module, got {type(model).__name__}")
     blocks = patched_blocks(model)
@@ -76,7 +76,7 @@ def kt_factors_to_peft(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
     return A.reshape(E * r, fan_in), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
 
 
-def kt_block_to_peft(block: KTSparseMoeBlock) -> dict[str, Tensor]:
+def kt_block_to_peft(block: nn.Module) -> dict[str, Tensor]:
     """The expert LoRA of one patched block in PEFT's layout, keys relative to the block
     (``experts.base_layer.lora_A.weight`` ...: see the module docstring)."""
     kt = block.experts
@@ -89,7 +89,7 @@ def kt_block_to_peft(block: KTSparseMoeBlock) -> dict[str, Tensor]:
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
 
-def peft_block_to_kt(tensors: dict[str, Tensor], block: KTSparseMoeBlock, r: int,
+def peft_block_to_kt(tensors: dict[str, Tensor], block: nn.Module, r: int,
                      who: str = "load_adapter") -> dict[str, Tensor]:
     """PEFT expert LoRA of one block -> KTMoE tensors.
 

@@ -1,160 +1,61 @@
-"""Replace the MoE blocks of Hugging Face transformers (5.x) models with KTMoE-backed blocks.
+"""Move the routed experts of Hugging Face transformers (5.x) MoE models onto kt.
 
-Supported blocks (transformers 5.x, fused 3-D expert parameters ``gate_up_proj [E, 2I, H]``
-with the gate in the first half and ``down_proj [E, H, I]``):
-
-=============  ==========================  =====================================================
-architecture   block                       routing / extras reproduced
-=============  ==========================  =====================================================
-Qwen3-MoE      ``Qwen3MoeSparseMoeBlock``  softmax top-k, optional renormalisation
-Qwen2-MoE      ``Qwen2MoeSparseMoeBlock``  as Qwen3 + shared expert times ``sigmoid(shared_expert_gate(x))``
-Mixtral        ``MixtralSparseMoeBlock``   softmax top-k renormalised (fp32 weights), router jitter in training
-DeepSeek-V2    ``DeepseekV2Moe``           greedy / group-limited greedy, ``routed_scaling_factor``, shared experts
-DeepSeek-V3    ``DeepseekV3MoE``           sigmoid, ``e_score_correction_bias``, grouped top-k, norm, scaling, shared experts
-=============  ==========================  =====================================================
-
-Routing is bit-identical to the unpatched model because the model's own router module is
-kept (at the same attribute, ``<block>.gate``, so its parameter names, output-recording hooks
-and ``router_logits`` are unchanged) and handed to :class:`~kt_ops.KTMoE` through a small
-adapter (:class:`HFRouter`) that returns ``(topk_weights, topk_ids)`` in the dtype the
-architecture produces. Shared experts stay where they are, as the original modules.
+Every transformers 5.x MoE family keeps its routed experts in one kind of module: a class
+decorated with ``@use_experts_implementation`` (``gate_up_proj [E, 2I, H]``, ``down_proj
+[E, H, I]``, ``forward(hidden_states, top_k_index, top_k_weights)``; see
+:mod:`kt_ops.hf.experts`). :func:`patch_model` replaces each such module by a
+:class:`~kt_ops.hf.experts.KTExperts` with the same forward, whose weights live on the owner
+rank's CPU. The model's MoE block, router, shared experts and everything else are untouched,
+so routing is the model's own code; the families kt_ops covers are whatever the installed
+transformers builds with that contract and SwiGLU experts (``tests/test_hf_families.py``
+discovers and checks them; the README lists them).
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 from contextlib import nullcontext
 from typing import Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
-from torch import Tensor, nn
+from torch import nn
 
+from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts
 from kt_ops.layer import KTMoE
 from kt_ops.rank_discovery import discover_rank
 
 
-@dataclasses.dataclass(frozen=True)
-class _BlockSpec:
-    architecture: str           # human-readable name
-    module_prefix: str          # transformers.models.<family>.
-    shared: Optional[str]       # None | "qwen2" (gated shared_expert) | "deepseek" (shared_experts)
-    jitter: bool = False        # Mixtral's router_jitter_noise
+def patched_experts(model: nn.Module) -> list[tuple[str, KTExperts]]:
+    """``[(qualified name, KTExperts)]`` of the kt experts in ``model``, in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, KTExperts)]
 
 
-_SUPPORTED: dict[str, _BlockSpec] = {
-    "Qwen3MoeSparseMoeBlock": _BlockSpec("Qwen3-MoE", "transformers.models.qwen3_moe.", None),
-    "Qwen2MoeSparseMoeBlock": _BlockSpec("Qwen2-MoE", "transformers.models.qwen2_moe.", "qwen2"),
-    "MixtralSparseMoeBlock": _BlockSpec("Mixtral", "transformers.models.mixtral.", None, jitter=True),
-    "DeepseekV2Moe": _BlockSpec("DeepSeek-V2", "transformers.models.deepseek_v2.", "deepseek"),
-    "DeepseekV3MoE": _BlockSpec("DeepSeek-V3", "transformers.models.deepseek_v3.", "deepseek"),
-}
-
-SUPPORTED_ARCHITECTURES = tuple(f"{s.architecture} ({cls})" for cls, s in _SUPPORTED.items())
-
-_SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
-
-
-class HFRouter(nn.Module):
-    """Adapter from a transformers router to KTMoE's router interface.
-
-    ``forward(x [T, H]) -> (topk_weights [T, K], topk_ids [T, K] int64)``, where the wrapped
-    router returns ``(router_logits, topk_weights, topk_ids)`` (all five supported
-    architectures do). The weights keep the router's dtype (model dtype for Qwen, fp32 for
-    Mixtral and DeepSeek).
-
-    The router is *referenced*, not registered: it stays registered where the model had it
-    (``<block>.gate``), so its parameters keep their names and appear once.
-    """
-
-    def __init__(self, router: nn.Module):
-        super().__init__()
-        self.__dict__["router"] = router  # not a submodule (see the class docstring)
-
-    def forward(self, x: Tensor) -> tuple[Tensor, Tensor]:
-        _, topk_weights, topk_ids = self.router(x)
-        return topk_weights, topk_ids
-
-    def extra_repr(self) -> str:
-        return f"router={type(self.router).__name__} (registered as the block's `gate`)"
-
-
-class KTSparseMoeBlock(nn.Module):
-    """A transformers MoE block whose routed experts are a :class:`~kt_ops.KTMoE`.
-
-    ``forward(hidden_states [B, S, H] or [T, H]) -> same shape``. Submodules keep the names
-    of the original block: ``gate`` (the original router), ``experts`` (the KTMoE: expert
-    weights ``gate_proj``/``up_proj [E, I, H]``, ``down_proj [E, H, I]`` and LoRA on the
-    owner rank's CPU only), and the original shared experts (``shared_expert`` +
-    ``shared_expert_gate`` for Qwen2-MoE, ``shared_experts`` for DeepSeek) on the model's
-    device.
-    """
-
-    def __init__(self, architecture: str, gate: nn.Module, experts: KTMoE, *,
-                 shared_kind: Optional[str] = None, shared: Optional[nn.Module] = None,
-                 shared_gate: Optional[nn.Module] = None, jitter_noise: float = 0.0):
-        super().__init__()
-        self.architecture = architecture
-        self.hidden_size = experts.hidden_size
-        self.gate = gate
-        self.experts = experts
-        self.shared_kind = shared_kind
-        self.jitter_noise = float(jitter_noise)
-        if shared_kind == "qwen2":
-            self.shared_expert = shared
-            self.shared_expert_gate = shared_gate
-        elif shared_kind == "deepseek":
-            self.shared_experts = shared
-
-    def forward(self, hidden_states: Tensor) -> Tensor:
-        if self.training and self.jitter_noise > 0:  # Mixtral's router jitter (same RNG draw)
-            hidden_states = hidden_states * torch.empty_like(hidden_states).uniform_(
-                1.0 - self.jitter_noise, 1.0 + self.jitter_noise)
-        out = self.experts(hidden_states)  # router on this device, experts on the owner's CPU
-        if self.shared_kind == "qwen2":
-            flat = hidden_states.reshape(-1, self.hidden_size)
-            shared = F.sigmoid(self.shared_expert_gate(flat)) * self.shared_expert(flat)
-            out = out + shared.reshape(out.shape)
-        elif self.shared_kind == "deepseek":
-            out = out + self.shared_experts(hidden_states)
-        return out
-
-    def extra_repr(self) -> str:
-        return f"architecture={self.architecture}"
-
-
-def _spec_of(module: nn.Module) -> Optional[_BlockSpec]:
-    spec = _SUPPORTED.get(type(module).__name__)
-    if spec is not None and type(module).__module__.startswith(spec.module_prefix):
-        return spec
-    return None
-
-
-def patched_blocks(model: nn.Module) -> list[tuple[str, KTSparseMoeBlock]]:
-    """``[(qualified name, block)]`` of the KTMoE-backed blocks in ``model``, in module order."""
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, KTSparseMoeBlock)]
+def patched_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """``[(qualified name, block)]`` of the MoE blocks whose ``experts`` is kt's (a
+    :class:`~kt_ops.KTMoE`), in module order: the unit PEFT's adapter keys are relative to."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(getattr(m, "experts", None), KTMoE)]
 
 
 def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[float] = None,
                 train_base: bool = False, owner_rank: int = 0,
                 process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
-    """Replace every supported MoE block of a transformers model, in place, by a
-    :class:`KTSparseMoeBlock` whose routed experts are a :class:`~kt_ops.KTMoE`.
+    """Replace, in place, every transformers experts module of ``model`` by a
+    :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
-    Supported: Qwen3-MoE, Qwen2-MoE, Mixtral, DeepSeek-V2, DeepSeek-V3 (transformers 5.x).
-    Per block: the router is kept (bit-identical routing; its output dtype kept); the fused
-    ``experts.gate_up_proj [E, 2I, H]`` is split into ``gate_proj = [:, :I]`` and
-    ``up_proj = [:, I:]`` (each ``[E, I, H]``), ``down_proj [E, H, I]`` is kept, all moved to
-    the owner rank's CPU in the experts' dtype (float32, bfloat16 or float64); other ranks
-    drop the expert weights (their memory is freed once nothing else references the old
-    block). Shared experts stay as the original modules on the model's device.
+    Any transformers 5.x MoE model whose experts follow the experts contract with SwiGLU
+    experts (concatenated gate|up, not transposed, no bias, ``silu``) is covered, whatever
+    its routing: the model's block still computes ``top_k_index`` / ``top_k_weights`` and
+    calls ``experts(...)``, which is now kt. Per experts module: the fused
+    ``gate_up_proj [E, 2I, H]`` is split into ``gate_proj = [:, :I]`` and ``up_proj = [:, I:]``
+    (each ``[E, I, H]``), ``down_proj [E, H, I]`` is kept, all moved to the owner rank's CPU
+    in the experts' dtype (float32, bfloat16 or float64); other ranks drop the expert
+    weights. Masked slots (expert id ``num_experts`` or negative) contribute nothing.
 
     LoRA (``lora_rank > 0``) reproduces PEFT's expert LoRA
     (``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])``): PEFT
     puts *one* rank-r LoRA on the fused ``gate_up_proj``, i.e. ``ΔW_gate_up[e] = s·B[e]·A[e]``
-    with ``A[e]: [r, H]`` shared by the gate and up halves and ``B[e]: [2I, r]``. So the
-    block's ``experts.gate_lora_a`` and ``experts.up_lora_a`` are *one tied parameter*
+    with ``A[e]: [r, H]`` shared by the gate and up halves and ``B[e]: [2I, r]``. So
+    ``experts.gate_lora_a`` and ``experts.up_lora_a`` are *one tied parameter*
     (``[E, r, H]``; its gradient is the sum over both halves, exactly PEFT's), while
     ``gate_lora_b = B[:, :I]`` and ``up_lora_b = B[:, I:]`` (``[E, I, r]``) are separate;
     ``down_lora_a [E, r, I]``, ``down_lora_b [E, H, r]``; scale ``lora_alpha / lora_rank``.
@@ -162,8 +63,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     :func:`kt_ops.load_adapter` for PEFT's adapter format.
 
     Args:
-        model: a transformers model (e.g. ``Qwen3MoeForCausalLM``) containing supported MoE
-            blocks; modified in place.
+        model: a transformers model (e.g. ``Qwen3MoeForCausalLM``, or a multimodal wrapper
+            whose text model holds the MoE layers); modified in place.
         lora_rank: LoRA rank r of the expert adapters (0: no LoRA).
         lora_alpha: LoRA alpha (scale ``alpha / r``); default ``r`` (scale 1).
         train_base: whether the expert base weights require grad (full / hybrid training).
@@ -177,9 +78,10 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         require grad.
 
     Raises:
-        ValueError: ``model`` has no supported MoE block (the message lists the supported
-            architectures), is already patched, or a block has an unsupported layout,
-            activation or dtype; or an argument is out of range.
+        ValueError: ``model`` has no transformers experts module, is already patched, or an
+            experts module has a layout, activation or dtype kt.moe does not compute (the
+            message names the module, its class and why; nothing is changed then); or an
+            argument is out of range.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"patch_model: model must be an nn.Module, got {type(model).__name__}")
@@ -191,61 +93,42 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     if lora_alpha is None:
         lora_alpha = float(max(lora_rank, 1))
 
-    targets = [(name, module, _spec_of(module)) for name, module in model.named_modules()]
-    targets = [(name, module, spec) for name, module, spec in targets if spec is not None]
+    targets = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
     if not targets:
-        if patched_blocks(model):
-            raise ValueError("patch_model: model is already patched (its MoE blocks are KTSparseMoeBlock)")
+        if patched_experts(model):
+            raise ValueError("patch_model: model is already patched (its experts are kt_ops' KTExperts)")
         model_type = getattr(getattr(model, "config", None), "model_type", None)
         raise ValueError(
-            f"patch_model: no supported MoE block found in {type(model).__name__} (model_type={model_type!r}). "
-            f"Supported architectures: {', '.join(SUPPORTED_ARCHITECTURES)}.")
-
-    for name, block, spec in targets:  # check every block before changing any
-        _check_block(name, block)
-    for name, block, spec in targets:
-        new_block = _convert_block(name, block, spec, lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                   train_base=train_base, owner_rank=owner_rank, process_group=process_group)
+            f"patch_model: no transformers experts module found in {type(model).__name__} "
+            f"(model_type={model_type!r}). kt_ops patches the routed experts of transformers 5.x MoE models: "
+            "modules of an experts class decorated with @use_experts_implementation "
+            "(gate_up_proj [E, 2I, H], down_proj [E, H, I]).")
+    for name, experts in targets:  # check every module before changing any
+        why = experts_support(experts)
+        if why is not None:
+            raise ValueError(f"patch_model: {name}: {why}")
+    for name, experts in targets:
+        new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
+                               owner_rank=owner_rank, process_group=process_group)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new_block)
+        setattr(parent, child, new)
+    register_kt_experts()
     return model
 
 
-def _check_block(name: str, block: nn.Module) -> tuple[int, int, int]:
-    """(E, I, H) of a supported block, or ValueError naming what kt_ops cannot run."""
-    experts = block.experts
+def _top_k(experts: nn.Module, num_experts: int) -> int:
+    """Slots per token, from the config the experts module was built with (informational:
+    the model's block decides the routing)."""
+    k = getattr(getattr(experts, "config", None), "num_experts_per_tok", None)
+    return int(k) if isinstance(k, int) and 1 <= k <= num_experts else 1
+
+
+def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
+                     owner_rank: int, process_group: Optional[dist.ProcessGroup]) -> KTExperts:
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    where = f"patch_model: {name} ({type(block).__name__})"
-    for attr, ok in (("is_transposed", False), ("has_bias", False), ("is_concatenated", True), ("has_gate", True)):
-        if getattr(experts, attr, ok) != ok:
-            raise ValueError(f"{where}: experts.{attr}={getattr(experts, attr)!r} is not supported "
-                             f"(kt_ops needs {attr}={ok})")
-    act = type(getattr(experts, "act_fn", None)).__name__
-    if act not in _SILU_ACTIVATIONS:
-        raise ValueError(f"{where}: the experts' activation is {act}; kt_ops computes SwiGLU experts "
-                         f"(hidden_act='silu') only")
-    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
-        raise ValueError(f"{where}: expected experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I], "
-                         f"got {tuple(gate_up.shape)} and {tuple(down.shape)}")
     E, two_i, H = gate_up.shape
     I = two_i // 2
-    if tuple(down.shape) != (E, H, I):
-        raise ValueError(f"{where}: experts.down_proj must have shape [E, H, I] = {[E, H, I]}, "
-                         f"got {list(down.shape)}")
-    if gate_up.dtype not in (torch.float32, torch.bfloat16, torch.float64):
-        raise ValueError(f"{where}: expert weights are {gate_up.dtype}; kt_ops runs float32, bfloat16 or "
-                         f"float64 experts (cast the model first, e.g. model.to(torch.bfloat16))")
-    return E, I, H
-
-
-def _convert_block(name: str, block: nn.Module, spec: _BlockSpec, *, lora_rank: int, lora_alpha: float,
-                   train_base: bool, owner_rank: int,
-                   process_group: Optional[dist.ProcessGroup]) -> KTSparseMoeBlock:
-    experts, router = block.experts, block.gate
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    E, I, H = _check_block(name, block)
-    top_k = int(router.top_k)
 
     # Build the layer without allocating or randomly initialising expert memory (the owner's
     # weights come from the model: build on the meta device; non-owners allocate none), and
@@ -253,9 +136,9 @@ def _convert_block(name: str, block: nn.Module, spec: _BlockSpec, *, lora_rank: 
     # device), so that every rank stays in RNG step.
     rank, _ = discover_rank(process_group)
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if rank == owner_rank else nullcontext()):
-        kt = KTMoE(H, I, E, top_k, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
-                   norm_topk_prob=bool(getattr(router, "norm_topk_prob", True)), owner_rank=owner_rank,
-                   process_group=process_group, dtype=gate_up.dtype, router=HFRouter(router))
+        kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
+                       train_base=train_base, owner_rank=owner_rank, process_group=process_group,
+                       dtype=gate_up.dtype)
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.
     lora_seed = int(torch.randint(0, 2**62, ()).item())
     if kt.is_owner:
@@ -269,17 +152,8 @@ def _convert_block(name: str, block: nn.Module, spec: _BlockSpec, *, lora_rank: 
                 _init_lora(kt, cpu, lora_seed, on_meta)
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
     experts.down_proj = None
-    jitter = float(getattr(block, "jitter_noise", 0.0) or 0.0) if spec.jitter else 0.0
-    if spec.shared == "qwen2":
-        extras = dict(shared=block.shared_expert, shared_gate=block.shared_expert_gate)
-    elif spec.shared == "deepseek":
-        extras = dict(shared=block.shared_experts)
-    else:
-        extras = {}
-    new_block = KTSparseMoeBlock(spec.architecture, router, kt, shared_kind=spec.shared,
-                                 jitter_noise=jitter, **extras)
-    new_block.train(block.training)
-    return new_block
+    kt.train(experts.training)
+    return kt
 
 
 def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> None:

@@ -1,0 +1,122 @@
+"""kt as a transformers experts implementation.
+
+transformers 5.x gives every MoE family one experts contract (``transformers.integrations.moe``):
+a module whose class is decorated with ``@use_experts_implementation``, holding
+``gate_up_proj [E, 2I, H]`` (gate rows first, then up) and ``down_proj [E, H, I]``, with
+``forward(hidden_states [T, H], top_k_index [T, K], top_k_weights [T, K]) -> [T, H]``; the
+model's own MoE block computes the routing and calls it. Slots whose expert id is outside
+``[0, E)`` (``num_experts`` or negative: masked by the model) contribute nothing.
+
+Two ways in:
+
+* :func:`patch_model` (``kt_ops.hf.patch``) swaps each such module for a :class:`KTExperts`:
+  the expert weights move to the owner rank's CPU (other ranks hold none), with LoRA, the
+  gather/scatter collectives and the kt checkpoint policy. The model's block, router and
+  shared experts are untouched, so routing is the model's own code, exact by construction.
+* ``"kt"`` registered in transformers' ``ALL_EXPERTS_FUNCTIONS`` (:func:`register_kt_experts`;
+  patch_model calls it): ``model.set_experts_implementation("kt")`` or
+  ``from_pretrained(..., experts_implementation="kt")`` runs the unchanged experts modules
+  through ``kt.moe`` on their own weights, in one process, autograd included.
+
+What the kernels compute is SwiGLU experts: concatenated gate|up, not transposed, no bias,
+gated, no post-expert norm, ``silu`` activation, float32/bfloat16/float64 weights.
+:func:`experts_support` says why a module is refused.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import Tensor, nn
+
+from kt_ops.layer import KTMoE  # transformers itself is imported lazily (register_kt_experts)
+
+# The decorator's layout flags (set on each instance by use_experts_implementation) and the
+# value kt.moe's layout needs.
+_LAYOUT_FLAGS = (("is_transposed", False), ("has_bias", False), ("is_concatenated", True), ("has_gate", True),
+                 ("has_post_expert_norm", False))
+_SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
+_KT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for instances of a transformers experts class (``@use_experts_implementation``)."""
+    forward = getattr(type(module), "forward", None)
+    code = getattr(forward, "__code__", None)
+    return code is not None and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
+
+
+def experts_support(module: nn.Module) -> Optional[str]:
+    """None when kt can run this experts module, else why not (a sentence naming the class)."""
+    cls = type(module).__name__
+    for flag, needed in _LAYOUT_FLAGS:
+        value = getattr(module, flag, needed)
+        if value != needed:
+            return f"{cls} has {flag}={value!r}; kt.moe computes {flag}={needed} experts"
+    act = type(getattr(module, "act_fn", None)).__name__
+    if act not in _SILU_ACTIVATIONS:
+        return f"{cls}'s activation is {act}; kt.moe computes SwiGLU experts (hidden_act='silu') only"
+    gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
+    if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor):
+        return f"{cls} holds no gate_up_proj / down_proj tensors (already converted?)"
+    if gate_up.dim() != 3 or down.dim() != 3 or gate_up.shape[1] % 2:
+        return (f"{cls}: expected gate_up_proj [E, 2I, H] and down_proj [E, H, I], got {tuple(gate_up.shape)} "
+                f"and {tuple(down.shape)}")
+    E, two_i, H = gate_up.shape
+    if tuple(down.shape) != (E, H, two_i // 2):
+        return f"{cls}: down_proj must have shape [E, H, I] = {[E, H, two_i // 2]}, got {list(down.shape)}"
+    if gate_up.dtype not in _KT_DTYPES or down.dtype != gate_up.dtype:
+        return (f"{cls}'s expert weights are {gate_up.dtype}; kt.moe runs float32, bfloat16 or float64 experts "
+                f"(cast the model first, e.g. model.to(torch.bfloat16))")
+    return None
+
+
+def _masked(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
+    """Masked slots (ids outside [0, E)) -> expert 0 with weight 0: they add nothing, and their
+    routing-weight gradient is 0, as in transformers' loops that skip them. Branch-free, so it
+    traces under torch.compile."""
+    valid = (top_k_index >= 0) & (top_k_index < num_experts)
+    ids = torch.where(valid, top_k_index, torch.zeros_like(top_k_index))
+    weights = torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights))
+    return ids, weights
+
+
+class KTExperts(KTMoE):
+    """A transformers experts module on kt: same ``forward(hidden_states [T, H], top_k_index,
+    top_k_weights) -> [T, H]``, experts on the owner rank's CPU (``gate_proj``/``up_proj``
+    ``[E, I, H]``, ``down_proj [E, H, I]``, LoRA ``{gate,up,down}_lora_{a,b}``), routing from
+    the model. Built by :func:`kt_ops.patch_model`; everything else is :class:`~kt_ops.KTMoE`'s
+    (collectives, DDP gradient semantics, ``routed_experts``)."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, num_experts: int, top_k: int, **kwargs):
+        super().__init__(hidden_size, intermediate_size, num_experts, top_k, router=nn.Identity(), **kwargs)
+        del self.gate  # the routing is the model's: no router here
+
+    def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        ids, weights = _masked(top_k_index, top_k_weights, self.num_experts)
+        return self.routed_experts(hidden_states, ids, weights)
+
+
+def kt_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,
+                       top_k_weights: Tensor) -> Tensor:
+    """The ``"kt"`` entry of transformers' experts interface: ``kt.moe`` on the module's own
+    ``gate_up_proj`` / ``down_proj`` (wherever they live; computed on the CPU)."""
+    why = experts_support(self)
+    if why is not None:
+        raise ValueError(f'experts_implementation="kt": {why}')
+    gate_up, down = self.gate_up_proj, self.down_proj
+    E, two_i, _ = gate_up.shape
+    I = two_i // 2
+    ids, weights = _masked(top_k_index, top_k_weights, E)
+    cpu = torch.device("cpu")
+    out = torch.ops.kt.moe(hidden_states.to(cpu, gate_up.dtype), ids.to(cpu), weights.to(cpu),
+                           gate_up[:, :I].to(cpu), gate_up[:, I:].to(cpu), down.to(cpu),
+                           None, None, None, None, None, None, 1.0)
+    return out.to(hidden_states.device, hidden_states.dtype)
+
+
+def register_kt_experts() -> None:
+    """Register ``"kt"`` in transformers' experts interface (idempotent)."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    ALL_EXPERTS_FUNCTIONS.register("kt", kt_experts_forward)
