@@ -25,7 +25,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help=f"comma-separated subset of {','.join(MODES)} (default all)")
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"comma-separated subset of {','.join(IMPLS)} (default all; kt.moe and "
-                        f"{REFERENCE}, the correctness reference, always run)")
+                        f"the correctness reference (--reference) always run)")
+    p.add_argument("--reference", choices=(REFERENCE, "kt.moe-fp32"), default=REFERENCE,
+                   help=f"the implementation every other is compared with (default {REFERENCE}); "
+                        "kt.moe-fp32 on CPUs without native bf16 GEMMs, where a bf16 eager "
+                        "step takes minutes")
     p.add_argument("--repeats", type=int, default=None,
                    help="timed steps per impl (default 5; --quick 3); decode cases run 4x")
     p.add_argument("--warmup", type=int, default=2,
@@ -69,7 +73,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     bad = [i for i in impls if i not in IMPLS]
     if bad:
         p.error(f"unknown impl(s) {bad}; choose from {IMPLS}")
-    args.impls = [i for i in IMPLS if i in impls or i in ("kt.moe", REFERENCE)]
+    args.impls = [i for i in IMPLS if i in impls or i in ("kt.moe", args.reference)]
     if args.repeats < 1 or args.warmup < 0:
         p.error("--repeats must be >= 1 and --warmup >= 0")
     if args.rank < 1:

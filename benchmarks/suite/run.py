@@ -19,7 +19,9 @@ from benchmarks.suite.impls import IMPLS, REFERENCE, build_impl, close_quietly
 from benchmarks.suite.kt_kernel import INSTALL_NOTE, kt_kernel_status
 from benchmarks.suite.memory import estimate_peak_gib, mem_available_gib, measure_memory
 
-REQUIRED = ("kt.moe", REFERENCE) + CEILINGS  # a failure of these stops the run
+def required(reference: str) -> tuple:
+    """The implementations whose failure stops the run."""
+    return ("kt.moe", reference) + CEILINGS
 ROW_ORDER = {n: i for i, n in enumerate(IMPLS + CEILINGS)}
 
 
@@ -48,12 +50,12 @@ def _build_impls(case: Case, mode: str, prob, cfg, args) -> Tuple[List[Impl], Di
     return impls, unavailable
 
 
-def _check(impls: List[Impl], mode: str, unavailable: Dict[str, str]) -> Dict[str, tuple]:
+def _check(impls: List[Impl], mode: str, unavailable: Dict[str, str], reference: str = REFERENCE) -> Dict[str, tuple]:
     """One untimed call each, the reference first; the others are compared with it right away
     (so only two sets of gradients are alive at a time): ``{name: (out_err, grad_err)}``.
     rel_err compares in fp32, so kt.moe-fp32 is held to the same bf16 reference. An optional
     implementation that raises is dropped as n/a."""
-    impls.sort(key=lambda i: i.name != REFERENCE)
+    impls.sort(key=lambda i: i.name != reference)
     errs = {}
     ref_out = ref_grads = None
     for impl in list(impls):
@@ -61,7 +63,7 @@ def _check(impls: List[Impl], mode: str, unavailable: Dict[str, str]) -> Dict[st
         try:
             y = impl.step().detach()
             g = impl.grads() if mode != "fwd" else {}
-            if impl.name == REFERENCE:
+            if impl.name == reference:
                 ref_out, ref_grads = y, g
             else:
                 grad_err = None
@@ -72,7 +74,7 @@ def _check(impls: List[Impl], mode: str, unavailable: Dict[str, str]) -> Dict[st
                 errs[impl.name] = (rel_err(y, ref_out), grad_err)
             del y, g
         except Exception as e:
-            if impl.name in REQUIRED:
+            if impl.name in required(reference):
                 raise
             _drop(impl, impls, unavailable, e)
             continue
@@ -83,7 +85,7 @@ def _check(impls: List[Impl], mode: str, unavailable: Dict[str, str]) -> Dict[st
 
 
 def _time(impls: List[Impl], ceilings: List[Impl], unavailable: Dict[str, str], warmup: int,
-          repeats: int) -> None:
+          repeats: int, reference: str = REFERENCE) -> None:
     """``warmup`` then ``repeats`` timed steps, alternating step by step over the
     implementations and the ceilings so that all see the same machine load; times go to each
     Impl's ``times`` and ``cpu``."""
@@ -95,7 +97,7 @@ def _time(impls: List[Impl], ceilings: List[Impl], unavailable: Dict[str, str], 
             try:
                 y = impl.step()
             except Exception as e:  # only optional baselines may fail here
-                if impl.name in REQUIRED:
+                if impl.name in required(reference):
                     raise
                 _drop(impl, impls, unavailable, e)
                 timed.remove(impl)
@@ -151,9 +153,9 @@ def _unavailable_rows(case: Case, mode: str, unavailable: Dict[str, str],
 def run_mode(case: Case, mode: str, prob, cfg, args, info: dict, notes: List[str]) -> List[dict]:
     """The rows of every implementation of ``args.impls`` and both ceilings for one mode."""
     impls, unavailable = _build_impls(case, mode, prob, cfg, args)
-    errs = _check(impls, mode, unavailable)
+    errs = _check(impls, mode, unavailable, args.reference)
     ceilings = [build_ceiling(name, mode, prob, info["counts"], cfg) for name in CEILINGS]
-    _time(impls, ceilings, unavailable, args.warmup, args.repeats * (4 if case.decode else 1))
+    _time(impls, ceilings, unavailable, args.warmup, args.repeats * (4 if case.decode else 1), args.reference)
     rows = _rows(case, mode, impls + ceilings, errs, args, info)
     rows += _unavailable_rows(case, mode, unavailable, notes)
     rows.sort(key=lambda r: ROW_ORDER[r["impl"]])
