@@ -15,6 +15,15 @@ CEILING_DTYPES = {CEILING: torch.bfloat16, CEILING_FP32: torch.float32}
 CEILINGS = tuple(CEILING_DTYPES)
 
 
+def timed_ceilings() -> tuple:
+    """The ceilings timed on this path: the bf16 one only where bf16 GEMMs are oneDNN's.
+    Elsewhere ATen's bf16 ``torch.mm`` is a slow fallback that kt.moe never calls (its
+    ``[n,H]x[H,I]`` layout took minutes a LoRA step at the Qwen3 shape on an AVX2 Zen), so
+    only the fp32 ceiling is measured and ``% ceil`` is left empty."""
+    native = torch.ops.kt._base_gemm_path(torch.bfloat16) == "onednn_bf16"
+    return CEILINGS if native else (CEILING_FP32,)
+
+
 def build_ceiling(name: str, mode: str, prob, counts: List[int], cfg) -> Impl:
     """Ceiling ``name`` (one of CEILINGS): the mode's base-weight GEMMs at the real per-expert
     row counts ``counts``, each expert on its own weights (so that they stream from memory as
