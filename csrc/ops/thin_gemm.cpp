@@ -166,6 +166,56 @@ struct TileAvx2 {
   }
 };
 
+// bf16 rows on AVX2, 16 values per step. Interleaving a 256-bit load of 16 bf16 with zeros
+// (unpacklo/hi_epi16) gives two float vectors, elements {0-3, 8-11} and {4-7, 12-15}: x and w
+// are permuted alike, so the products still pair up and the dot product is unchanged. That is
+// one load and two unpacks per 16 values instead of two widening loads and two shifts, which
+// made decode-sized bf16 blocks compute-bound. At most 4 w rows at a time (8 accumulators +
+// 6 operands fit AVX2's 16 registers); wider tiles run as two passes of 4.
+template <int MR, int RJ>
+struct TileAvx2Bf16 {
+  KT_TARGET_AVX2 static void run(const ThinView& v, int64_t m0, int64_t r0) {
+    if constexpr (RJ > 4) {
+      TileAvx2Bf16<MR, 4>::run(v, m0, r0);
+      TileAvx2Bf16<MR, RJ - 4>::run(v, m0, r0 + 4);
+    } else {
+      const uint16_t* x = static_cast<const uint16_t*>(v.x);
+      const uint16_t* w = static_cast<const uint16_t*>(v.w);
+      const __m256i zero = _mm256_setzero_si256();
+      __m256 acc[MR][RJ];
+      KT_UNROLL for (int i = 0; i < MR; ++i)
+        KT_UNROLL for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
+      const int64_t k_full = v.K / 16 * 16;
+      for (int64_t k = 0; k < k_full; k += 16) {
+        __m256 xlo[MR], xhi[MR];
+        KT_UNROLL for (int i = 0; i < MR; ++i) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * v.ldx + k));
+          xlo[i] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+          xhi[i] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+        }
+        KT_UNROLL for (int j = 0; j < RJ; ++j) {
+          const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (r0 + j) * v.ldw + k));
+          const __m256 wlo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, raw));
+          const __m256 whi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, raw));
+          KT_UNROLL for (int i = 0; i < MR; ++i) {
+            acc[i][j] = _mm256_fmadd_ps(xlo[i], wlo, acc[i][j]);
+            acc[i][j] = _mm256_fmadd_ps(xhi[i], whi, acc[i][j]);
+          }
+        }
+      }
+      KT_UNROLL for (int i = 0; i < MR; ++i) {
+        KT_UNROLL for (int j = 0; j < RJ; ++j) {
+          float sum = simd::hsum8(acc[i][j]);
+          for (int64_t k = k_full; k < v.K; ++k) {
+            sum += simd::bf16_to_float(x[(m0 + i) * v.ldx + k]) * simd::bf16_to_float(w[(r0 + j) * v.ldw + k]);
+          }
+          store_out(v, m0 + i, r0 + j, sum);
+        }
+      }
+    }
+  }
+};
+
 bool is_f32_or_bf16(const at::Tensor& t) {
   return t.scalar_type() == at::kFloat || t.scalar_type() == at::kBFloat16;
 }
@@ -191,7 +241,9 @@ void thin_gemm_nt(at::Tensor& out, const at::Tensor& x, const at::Tensor& w, Cpu
       if (v.in_bf16) return for_each_tile<TileAvx512Bf16>(v);
       return for_each_tile<TileAvx512>(v);
     case CpuIsa::kAvx512: return for_each_tile<TileAvx512>(v);
-    case CpuIsa::kAvx2: return for_each_tile<TileAvx2>(v);
+    case CpuIsa::kAvx2:
+      if (v.in_bf16) return for_each_tile<TileAvx2Bf16>(v);
+      return for_each_tile<TileAvx2>(v);
     case CpuIsa::kPortable: return thin_reference(v);
   }
 }
