@@ -1,5 +1,9 @@
 """Patched transformers models under torch.compile(fullgraph=True) (backend aot_eager).
 
+* GLM-4-MoE, OLMoE and ERNIE-4.5-MoE (covered through the generic experts path only) with
+  HF gradient checkpointing and the kt policy: no graph break, same loss and gradients as
+  eager, the CPU experts once per MoE layer per step.
+
 * DeepSeek-V3 (the most involved router: sigmoid, correction bias, grouped top-k,
   scaling; shared experts) with expert LoRA: forward + backward compile without a graph
   break, the forward graph holds one kt.moe_forward per MoE layer and the backward graph one
@@ -83,4 +87,35 @@ def test_qwen2_moe_compiled_with_gradient_checkpointing():
         got = step(checkpointed, compiled, ids)
         assert_same(got, eager)
         assert got[2] == {"moe_forward": n_moe, "moe_backward": n_moe}
+    assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+
+
+@pytest.mark.parametrize("name", ["glm4_moe", "olmoe", "ernie4_5_moe"])
+def test_new_families_compiled_with_kt_checkpointing(name):
+    """Families covered only through the generic experts path (tests/hf_families.py builds
+    them from their own configs): fullgraph with HF gradient checkpointing and the kt policy;
+    loss and gradients equal eager, the CPU experts run once per MoE layer per step."""
+    from hf_families import discover
+    from hf_families import tiny_model as family_model
+
+    family = next(f for f in discover() if f.name == name)
+    model = kt_ops.patch_model(family_model(family), lora_rank=4, lora_alpha=8).train()
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if pname.endswith("lora_b"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    ids = input_ids()
+    eager = step(model, model, ids)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+        "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
+    torch._dynamo.utils.counters.clear()
+    compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+    n_moe = len(patched_blocks(model))
+    got = step(model, compiled, ids)
+    assert rel_err(got[0], eager[0]) <= 1e-5
+    assert got[1].keys() == eager[1].keys() and any("lora" in n for n in eager[1])
+    for pname, grad in eager[1].items():
+        assert rel_err(got[1][pname], grad) <= 1e-5, pname
+    assert got[2] == {"moe_forward": n_moe, "moe_backward": n_moe}
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
