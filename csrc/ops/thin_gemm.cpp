@@ -170,14 +170,16 @@ struct TileAvx2 {
 // (unpacklo/hi_epi16) gives two float vectors, elements {0-3, 8-11} and {4-7, 12-15}: x and w
 // are permuted alike, so the products still pair up and the dot product is unchanged. That is
 // one load and two unpacks per 16 values instead of two widening loads and two shifts, which
-// made decode-sized bf16 blocks compute-bound. At most 4 w rows at a time (8 accumulators +
-// 6 operands fit AVX2's 16 registers); wider tiles run as two passes of 4.
+// made decode-sized bf16 blocks compute-bound. At most 8 accumulators (plus 2·MR + 3
+// operands: AVX2 has 16 registers): one x row takes 8 w rows at a time, as many concurrent
+// weight streams as the fp32 tile (fewer left the decode GEMV short of memory bandwidth); two
+// x rows take 4, wider tiles run as two passes.
 template <int MR, int RJ>
 struct TileAvx2Bf16 {
   KT_TARGET_AVX2 static void run(const ThinView& v, int64_t m0, int64_t r0) {
-    if constexpr (RJ > 4) {
-      TileAvx2Bf16<MR, 4>::run(v, m0, r0);
-      TileAvx2Bf16<MR, RJ - 4>::run(v, m0, r0 + 4);
+    if constexpr (MR * RJ > 8) {
+      TileAvx2Bf16<MR, RJ / 2>::run(v, m0, r0);
+      TileAvx2Bf16<MR, RJ - RJ / 2>::run(v, m0, r0 + RJ / 2);
     } else {
       const uint16_t* x = static_cast<const uint16_t*>(v.x);
       const uint16_t* w = static_cast<const uint16_t*>(v.w);
