@@ -30,7 +30,13 @@ from test_hf_patching import input_ids, rel_err, tiny_model  # noqa: E402
 
 
 def lora_model(arch):
-    model = kt_ops.patch_model(tiny_model(arch), lora_rank=4, lora_alpha=8).train()
+    return with_lora(tiny_model(arch))
+
+
+def with_lora(model):
+    """``model`` patched with rank-4 expert LoRA whose B factors are random (not PEFT's zeros),
+    in training mode."""
+    model = kt_ops.patch_model(model, lora_rank=4, lora_alpha=8).train()
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -99,12 +105,7 @@ def test_new_families_compiled_with_kt_checkpointing(name):
     from hf_families import tiny_model as family_model
 
     family = next(f for f in discover() if f.name == name)
-    model = kt_ops.patch_model(family_model(family), lora_rank=4, lora_alpha=8).train()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for pname, p in model.named_parameters():
-            if pname.endswith("lora_b"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    model = with_lora(family_model(family))
     ids = input_ids()
     eager = step(model, model, ids)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={

@@ -18,7 +18,7 @@ from typing import Optional
 import torch
 import transformers
 
-from kt_ops.hf.experts import experts_support, is_experts_module
+from kt_ops.hf.experts import experts_support, is_experts_class, is_experts_module
 
 # Config fields shrunk wherever a config (or a sub-config: text, vision, audio) has them.
 TINY = dict(
@@ -70,17 +70,11 @@ def discover() -> tuple:
             families.append(Family(name, [], None, None))
             continue
         experts = [n for n, obj in vars(module).items() if isinstance(obj, type) and obj.__module__ == module.__name__
-                   and is_experts_module_class(obj)]
+                   and is_experts_class(obj)]
         model_class = _model_class(module)
         config_class = getattr(model_class, "config_class", None) or _config_class(name)
         families.append(Family(name, experts, model_class, config_class))
     return tuple(families)
-
-
-def is_experts_module_class(cls: type) -> bool:
-    forward = getattr(cls, "forward", None)
-    code = getattr(forward, "__code__", None)
-    return code is not None and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
 
 
 def _model_class(module) -> Optional[type]:

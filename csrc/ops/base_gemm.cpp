@@ -47,6 +47,21 @@ at::Tensor to_work(const at::Tensor& src, at::ScalarType work) {
   return out;
 }
 
+// fn(n0, rows, panel) for each panel of w's rows [n0, n0 + rows), panel = those rows in the
+// work dtype ([rows, K] contiguous, one buffer reused for every panel).
+template <typename Fn>
+void for_each_weight_panel(const at::Tensor& w, at::ScalarType work, const Fn& fn) {
+  const int64_t N = w.size(0), K = w.size(1);
+  const int64_t nc = panel_rows(K, N);
+  at::Tensor panel = at::empty({nc, K}, w.options().dtype(work));
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t rows = std::min(nc, N - n0);
+    at::Tensor p = panel.narrow(0, 0, rows);
+    copy_rows(p, w.narrow(0, n0, rows));
+    fn(n0, rows, p);
+  }
+}
+
 bool converts(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && !native_bf16_gemms(); }
 
 void check_2d(const at::Tensor& t, const char* what) {
@@ -66,19 +81,14 @@ at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w) {
   check_2d(x, "x");
   check_2d(w, "w");
   TORCH_CHECK(x.size(1) == w.size(1), "panel_mm_nt: x [M, K] and w [N, K] disagree on K");
-  const int64_t M = x.size(0), K = x.size(1), N = w.size(0);
+  const int64_t M = x.size(0), N = w.size(0);
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
-  const auto work = x.options().dtype(work_type(x));
-  const at::Tensor x_w = to_work(x, work_type(x));
-  const int64_t nc = panel_rows(K, N);
-  at::Tensor panel = at::empty({nc, K}, work);
-  for (int64_t n0 = 0; n0 < N; n0 += nc) {
-    const int64_t rows = std::min(nc, N - n0);
-    at::Tensor p = panel.narrow(0, 0, rows);
-    copy_rows(p, w.narrow(0, n0, rows));  // rows n0.. of w, converted: the panel
+  const at::ScalarType work = work_type(x);
+  const at::Tensor x_w = to_work(x, work);
+  for_each_weight_panel(w, work, [&](int64_t n0, int64_t rows, const at::Tensor& p) {
     copy_rows(out.narrow(1, n0, rows), at::mm(x_w, p.t()));  // [M, rows], rounded once
-  }
+  });
   return out;
 }
 
@@ -87,9 +97,9 @@ at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::opti
   check_2d(w, "w");
   TORCH_CHECK(d.size(1) == w.size(0), "panel_mm_nn: d [M, N] and w [N, K] disagree on N");
   const int64_t M = d.size(0), N = d.size(1), K = w.size(1);
-  const auto work = d.options().dtype(work_type(d));
+  const at::ScalarType work = work_type(d);
   // The float accumulator of the whole result; each panel of w's rows adds its share.
-  at::Tensor acc = at::empty({M, K}, work);
+  at::Tensor acc = at::empty({M, K}, d.options().dtype(work));
   if (addend.has_value()) {
     copy_rows(acc, *addend);
   } else {
@@ -100,15 +110,10 @@ at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::opti
     copy_rows(out, acc);
     return out;
   }
-  const at::Tensor d_w = to_work(d, work_type(d));
-  const int64_t nc = panel_rows(K, N);
-  at::Tensor panel = at::empty({nc, K}, work);
-  for (int64_t n0 = 0; n0 < N; n0 += nc) {
-    const int64_t rows = std::min(nc, N - n0);
-    at::Tensor p = panel.narrow(0, 0, rows);
-    copy_rows(p, w.narrow(0, n0, rows));
+  const at::Tensor d_w = to_work(d, work);
+  for_each_weight_panel(w, work, [&](int64_t n0, int64_t rows, const at::Tensor& p) {
     acc.addmm_(d_w.narrow(1, n0, rows), p);
-  }
+  });
   copy_rows(out, acc);
   return out;
 }

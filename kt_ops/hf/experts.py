@@ -39,11 +39,16 @@ _SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
 _KT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
-def is_experts_module(module: nn.Module) -> bool:
-    """True for instances of a transformers experts class (``@use_experts_implementation``)."""
-    forward = getattr(type(module), "forward", None)
-    code = getattr(forward, "__code__", None)
+def is_experts_class(cls: type) -> bool:
+    """True for a transformers experts class: ``@use_experts_implementation`` replaced its
+    forward by the dispatcher defined in transformers/integrations/moe.py."""
+    code = getattr(getattr(cls, "forward", None), "__code__", None)
     return code is not None and code.co_filename.replace("\\", "/").endswith("transformers/integrations/moe.py")
+
+
+def is_experts_module(module: nn.Module) -> bool:
+    """True for instances of a transformers experts class (:func:`is_experts_class`)."""
+    return is_experts_class(type(module))
 
 
 def experts_support(module: nn.Module) -> Optional[str]:
