@@ -169,11 +169,10 @@ struct TileAvx2 {
 // bf16 rows on AVX2, 16 values per step. Interleaving a 256-bit load of 16 bf16 with zeros
 // (unpacklo/hi_epi16) gives two float vectors, elements {0-3, 8-11} and {4-7, 12-15}: x and w
 // are permuted alike, so the products still pair up and the dot product is unchanged. That is
-// one load and two unpacks per 16 values instead of two widening loads and two shifts, which
-// made decode-sized bf16 blocks compute-bound. At most 8 accumulators (plus 2·MR + 3
-// operands: AVX2 has 16 registers): one x row takes 8 w rows at a time, as many concurrent
-// weight streams as the fp32 tile (fewer left the decode GEMV short of memory bandwidth); two
-// x rows take 4, wider tiles run as two passes.
+// one load and two unpacks per 16 values instead of two widening loads and two shifts. At
+// most 8 accumulators (plus 2·MR + 3 operands: AVX2 has 16 registers): one x row takes 8 w rows
+// at a time, as many concurrent weight streams as the fp32 tile; two x rows take 4, wider
+// tiles run as two passes.
 template <int MR, int RJ>
 struct TileAvx2Bf16 {
   KT_TARGET_AVX2 static void run(const ThinView& v, int64_t m0, int64_t r0) {
