@@ -20,7 +20,10 @@ _GRAD_INPUTS = {
     10: 9,  # down_lora_a
     11: 10,  # down_lora_b
 }
-_NUM_INPUTS = 14  # moe_forward's 12 tensors + lora_scale + save_activations
+_NUM_INPUTS = 17  # moe_forward's 12 tensors, lora_scale, save_activations, 3 scales
+_SCALES = slice(14, 17)  # gate_scale, up_scale, down_scale (quantized base weights only)
+_BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
+_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 
 def _setup_context(ctx, inputs, output):
@@ -30,8 +33,15 @@ def _setup_context(ctx, inputs, output):
     ctx.lora_scale = inputs[12]
     ctx.saved_activations = inputs[13]
     tensors = list(inputs[:12])
+    scales = list(inputs[_SCALES])
+    for name, weight, scale in zip(_BASE_NAMES, tensors[3:6], scales):
+        # Raised here, at forward time, rather than at a backward far from the cause.
+        if weight.dtype in _QUANTIZED_DTYPES and (weight.requires_grad or (scale is not None and scale.requires_grad)):
+            raise ValueError(f"kt.moe: {name} is quantized ({weight.dtype}), so it and its scale are frozen "
+                             "and cannot require grad: train LoRA adapters on it instead")
     ctx.lora_present = [t is not None for t in tensors[6:12]]
-    ctx.save_for_backward(*[t for t in tensors if t is not None], activations)
+    ctx.scales_present = [t is not None for t in scales]
+    ctx.save_for_backward(*[t for t in tensors + scales if t is not None], activations)
 
 
 def _backward(ctx, grad_output, _grad_activations):
@@ -41,9 +51,10 @@ def _backward(ctx, grad_output, _grad_activations):
             "differentiated; call kt.moe (or save_activations=True) when gradients are needed"
         )
     *saved, activations = ctx.saved_tensors
-    hidden, ids, weights, gate, up, down, *present_lora = saved
-    lora = iter(present_lora)
-    lora_tensors = [next(lora) if p else None for p in ctx.lora_present]
+    hidden, ids, weights, gate, up, down, *optional = saved
+    present = iter(optional)
+    lora_tensors = [next(present) if p else None for p in ctx.lora_present]
+    scales = [next(present) if p else None for p in ctx.scales_present]
     output_mask = [False] * 11
     for input_index, slot in _GRAD_INPUTS.items():
         output_mask[slot] = bool(ctx.needs_input_grad[input_index])
@@ -51,7 +62,7 @@ def _backward(ctx, grad_output, _grad_activations):
         return (None,) * _NUM_INPUTS
     grads = torch.ops.kt.moe_backward(
         grad_output.contiguous(), hidden, ids, weights, activations, gate, up, down,
-        *lora_tensors, ctx.lora_scale, output_mask,
+        *lora_tensors, ctx.lora_scale, output_mask, *scales,
     )
     result = [None] * _NUM_INPUTS
     for input_index, slot in _GRAD_INPUTS.items():

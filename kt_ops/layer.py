@@ -9,11 +9,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from kt_ops import quantization
 from kt_ops.rank_discovery import discover_rank
 
 _layer_ids = itertools.count()
 
 _LORA_NAMES = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
+_BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
+_SCALE_NAMES = ("gate_scale", "up_scale", "down_scale")
 
 
 @torch.compiler.assume_constant_result
@@ -40,6 +43,14 @@ class KTMoE(nn.Module):
     (``[E, r, in]`` / ``[E, out, r]``, B initialised to zero). Other ranks allocate no expert
     memory at all. Base weights require grad only with ``train_base=True``.
 
+    Quantized experts (``expert_format="fp8" | "int8" | "int4"``, see
+    :mod:`kt_ops.quantization`): ``gate_proj``/``up_proj``/``down_proj`` hold the quantized
+    weights (float8_e4m3fn / int8 / uint8 with two int4 values per byte) and
+    ``gate_scale``/``up_scale``/``down_scale`` their scales, all frozen (``train_base=True``
+    is refused); activations, LoRA, routing weights and gradients stay in ``dtype``, so the
+    only error is the weights' own rounding. ``group_size`` (int4 only: 32, 64 or 128,
+    default 32) is the number of input columns per int4 scale.
+
     Gradient semantics: the owner's expert (and LoRA) gradients are the *average* over ranks
     of each rank's loss gradient, exactly what DDP would give if every rank held the experts,
     so the same optimizer settings work with 1 or N ranks. Router gradients are each rank's
@@ -54,7 +65,8 @@ class KTMoE(nn.Module):
                  lora_rank: int = 0, lora_alpha: Optional[float] = None, train_base: bool = False,
                  norm_topk_prob: bool = True, owner_rank: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16,
-                 router: Optional[nn.Module] = None):
+                 router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
+                 group_size: Optional[int] = None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -66,6 +78,15 @@ class KTMoE(nn.Module):
             raise ValueError(f"KTMoE: lora_rank must be an int >= 0, got {lora_rank!r}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"KTMoE: dtype must be float32, bfloat16 or float64, got {dtype}")
+        self.group_size = quantization.check_format(expert_format, group_size, "KTMoE")
+        self.expert_format = expert_format
+        if expert_format is not None and train_base:
+            raise ValueError(f"KTMoE: train_base=True cannot train quantized experts (expert_format={expert_format!r}): "
+                             "quantized base weights are frozen; train LoRA adapters (lora_rank > 0) or use float experts")
+        if expert_format == "int4" and (hidden_size % self.group_size or intermediate_size % self.group_size):
+            raise ValueError(f"KTMoE: expert_format='int4' with group_size={self.group_size} needs hidden_size "
+                             f"({hidden_size}) and intermediate_size ({intermediate_size}) to be multiples of it")
+        self.expert_dtype = dtype  # of activations, LoRA and (unless quantized) the base weights
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
         self.lora_rank = lora_rank
@@ -87,9 +108,15 @@ class KTMoE(nn.Module):
         if self.is_owner:
             E, I, H = num_experts, intermediate_size, hidden_size
             cpu = {"dtype": dtype, "device": "cpu"} if not _building_on_meta() else {"dtype": dtype}
-            self.gate_proj = nn.Parameter(torch.empty(E, I, H, **cpu), requires_grad=train_base)
-            self.up_proj = nn.Parameter(torch.empty(E, I, H, **cpu), requires_grad=train_base)
-            self.down_proj = nn.Parameter(torch.empty(E, H, I, **cpu), requires_grad=train_base)
+            for name, scale_name, (out, inp) in zip(_BASE_NAMES, _SCALE_NAMES, ((I, H), (I, H), (H, I))):
+                if expert_format is None:
+                    setattr(self, name, nn.Parameter(torch.empty(E, out, inp, **cpu), requires_grad=train_base))
+                    continue
+                shape, qdtype, scale_shape, scale_dtype = quantization.storage_layout(
+                    expert_format, E, out, inp, self.group_size)
+                setattr(self, name, nn.Parameter(torch.empty(shape, **{**cpu, "dtype": qdtype}), requires_grad=False))
+                setattr(self, scale_name,
+                        nn.Parameter(torch.empty(scale_shape, **{**cpu, "dtype": scale_dtype}), requires_grad=False))
             if lora_rank:
                 r = lora_rank
                 for name, shape in (("gate_lora_a", (E, r, H)), ("gate_lora_b", (E, I, r)),
@@ -117,9 +144,13 @@ class KTMoE(nn.Module):
             if not self.is_owner:
                 return
             g = torch.Generator().manual_seed(expert_seed)
-            for w, fan_in in ((self.gate_proj, self.hidden_size), (self.up_proj, self.hidden_size),
-                              (self.down_proj, self.intermediate_size)):
-                w.copy_(torch.randn(w.shape, generator=g) * fan_in ** -0.5)
+            E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+            for name, scale_name, (out, fan_in) in zip(_BASE_NAMES, _SCALE_NAMES, ((I, H), (I, H), (H, I))):
+                w = torch.randn(E, out, fan_in, generator=g) * fan_in ** -0.5
+                if self.expert_format is None:
+                    getattr(self, name).copy_(w)
+                else:
+                    self.set_quantized_weight(name, w)
             if self.lora_rank:
                 for name in ("gate_lora_a", "up_lora_a", "down_lora_a"):
                     a = getattr(self, name)  # PEFT's init: kaiming_uniform(a=sqrt(5)) = U(±1/sqrt(in))
@@ -133,17 +164,55 @@ class KTMoE(nn.Module):
         lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
         return (self.gate_proj, self.up_proj, self.down_proj) + lora
 
+    def expert_scales(self) -> tuple:
+        """The owner's (gate_scale, up_scale, down_scale) of quantized experts, or three Nones."""
+        if self.expert_format is None:
+            return (None,) * 3
+        return tuple(getattr(self, n) for n in _SCALE_NAMES)
+
+    def set_quantized_weight(self, name: str, weight: Tensor) -> None:
+        """Quantizes float ``weight`` (``[E, out, in]``, any float dtype) into the quantized
+        base weight ``name`` ("gate_proj", "up_proj" or "down_proj") and its scale, in place."""
+        scale_name = _SCALE_NAMES[_BASE_NAMES.index(name)]
+        data, scale = getattr(self, name), getattr(self, scale_name)
+        q, s = quantization.quantize(weight, self.expert_format, self.group_size, scale_dtype=scale.dtype, name=name)
+        with torch.no_grad():
+            data.copy_(q)
+            scale.copy_(s)
+
+    def expert_nbytes(self) -> int:
+        """Bytes held by the base expert weights on this rank, scales included (0 off the owner)."""
+        if not self.is_owner:
+            return 0
+        return quantization.nbytes(self.gate_proj, self.up_proj, self.down_proj, *self.expert_scales())
+
+    def dequantized_experts(self) -> tuple[Tensor, Tensor, Tensor]:
+        """``(gate [E, I, H], up [E, I, H], down [E, H, I])`` in float32: the weights kt.moe
+        computes with (for quantized experts, exactly its dequantized values). Owner only."""
+        if not self.is_owner:
+            raise RuntimeError(f"KTMoE.dequantized_experts: rank {self.rank} does not hold the experts "
+                               f"(owner_rank={self.owner_rank})")
+        if self.expert_format is None:
+            return tuple(w.detach().float() for w in (self.gate_proj, self.up_proj, self.down_proj))
+        return tuple(quantization.dequantize(w.detach(), s.detach())
+                     for w, s in zip((self.gate_proj, self.up_proj, self.down_proj), self.expert_scales()))
+
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.cuda()`` / ``.bfloat16()`` move the router, never the experts: they
         stay in CPU memory (a dtype change still applies to them). The target dtype is read
         off an empty probe tensor, so no expert-sized copy is ever made on the device."""
         experts = dict(self._parameters)
         self._parameters.clear()
+        frozen_format = set(_BASE_NAMES + _SCALE_NAMES) if self.expert_format is not None else set()
         try:
             super()._apply(fn, recurse)
+            target = fn(torch.empty(0, dtype=self.expert_dtype))
+            if target.dtype.is_floating_point:
+                self.expert_dtype = target.dtype
         finally:
             for name, param in experts.items():
-                if param is not None and param.device.type != "meta":
+                # Quantized weights and their scales keep their storage format.
+                if param is not None and param.device.type != "meta" and name not in frozen_format:
                     target = fn(torch.empty(0, dtype=param.dtype))
                     if target.dtype != param.dtype and target.dtype.is_floating_point:
                         param.data = param.data.to(target.dtype)
@@ -155,9 +224,9 @@ class KTMoE(nn.Module):
 
     def _experts(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """kt.moe where the experts live (the owner's CPU); x, ids, weights may be anywhere."""
-        device, dtype = self.gate_proj.device, self.gate_proj.dtype
+        device, dtype = self.gate_proj.device, self.expert_dtype
         out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
-                               *self.expert_tensors(), self.lora_scale)
+                               *self.expert_tensors(), self.lora_scale, *self.expert_scales())
         return out.to(x.device, x.dtype)
 
     def _group_name(self) -> str:

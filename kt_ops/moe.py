@@ -19,6 +19,9 @@ def moe(
     down_lora_a: Optional[Tensor] = None,
     down_lora_b: Optional[Tensor] = None,
     lora_scale: float = 1.0,
+    gate_scale: Optional[Tensor] = None,
+    up_scale: Optional[Tensor] = None,
+    down_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Routed SwiGLU experts with optional LoRA; same call as ``torch.ops.kt.moe``.
 
@@ -36,19 +39,26 @@ def moe(
         hidden_states: ``[..., H]``, float32, bfloat16 or float64 (bf16 accumulates in fp32).
         topk_ids: ``[..., K]`` int32 or int64, each in ``[0, E)``; same leading dims.
         topk_weights: ``[..., K]`` float32, bfloat16 or float64 routing weights.
-        gate_proj, up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]`` (dtype of hidden_states).
+        gate_proj, up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]``: in the dtype of
+            hidden_states, or quantized (frozen, weight-only; see :mod:`kt_ops.quantization`):
+            ``float8_e4m3fn`` (fp8, 128x128 blocks), ``int8`` (per output channel) or ``uint8``
+            (int4, two values per byte: ``[E, out, in/2]``), each with its scale.
         *_lora_a: ``[E, r, in]``; *_lora_b: ``[E, out, r]`` (PEFT layout, stacked over
             experts). Give A and B together; one rank r for all adapters.
         lora_scale: the LoRA scale ``alpha / r``.
+        gate_scale, up_scale, down_scale: scales of quantized base weights (float32 or
+            bfloat16): fp8 ``[E, ceil(out/128), ceil(in/128)]``, int8 ``[E, out]``, int4
+            ``[E, out, in/group_size]`` (group_size 32, 64 or 128). None for dense weights.
 
     Returns:
         ``[..., H]`` in the dtype of ``hidden_states``.
 
     Differentiable in every tensor argument but ``topk_ids``; only the gradients that are
     needed are computed (frozen base + LoRA, full, hybrid, or none: then nothing is saved).
+    Quantized base weights are frozen: they (and their scales) must not require grad.
     """
     return torch.ops.kt.moe(
         hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
         gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
-        float(lora_scale),
+        float(lora_scale), gate_scale, up_scale, down_scale,
     )

@@ -3,6 +3,9 @@
 #include <algorithm>
 
 #include "ops/convert_rows.h"
+#include "ops/dequantize.h"
+#include "ops/quant_gemv.h"
+#include "ops/thin_gemm.h"
 
 namespace kt {
 namespace {
@@ -46,19 +49,38 @@ at::Tensor to_work(const at::Tensor& src, at::ScalarType work) {
   return out;
 }
 
+// panel = rows [n0, n0 + rows) of w in the panel's dtype (float32, or float64).
+void fill_panel(at::Tensor& panel, const WeightMatrix& w, int64_t n0, int64_t rows) {
+  if (!w.quantized()) return copy_rows(panel, w.data.narrow(0, n0, rows));
+  if (panel.scalar_type() == at::kFloat) {
+    return dequantize_rows(w, n0, rows, panel.mutable_data_ptr<float>(), panel.stride(0), active_cpu_isa());
+  }
+  at::Tensor f = at::empty({rows, w.cols}, panel.options().dtype(at::kFloat));
+  dequantize_rows(w, n0, rows, f.mutable_data_ptr<float>(), f.stride(0), active_cpu_isa());
+  panel.copy_(f);
+}
+
 // fn(n0, rows, panel) for each panel of w's rows [n0, n0 + rows), panel = those rows in the
 // work dtype ([rows, K] contiguous, one buffer reused for every panel).
 template <typename Fn>
-void for_each_weight_panel(const at::Tensor& w, at::ScalarType work, const Fn& fn) {
-  const int64_t N = w.size(0), K = w.size(1);
+void for_each_weight_panel(const WeightMatrix& w, const at::TensorOptions& options, at::ScalarType work, const Fn& fn) {
+  const int64_t N = w.rows, K = w.cols;
   const int64_t nc = panel_rows(K, N);
-  at::Tensor panel = at::empty({nc, K}, w.options().dtype(work));
+  at::Tensor panel = at::empty({nc, K}, options.dtype(work));
   for (int64_t n0 = 0; n0 < N; n0 += nc) {
     const int64_t rows = std::min(nc, N - n0);
     at::Tensor p = panel.narrow(0, 0, rows);
-    copy_rows(p, w.narrow(0, n0, rows));
+    fill_panel(p, w, n0, rows);
     fn(n0, rows, p);
   }
+}
+
+WeightMatrix dense(const at::Tensor& w) {
+  WeightMatrix m;
+  m.data = w;
+  m.rows = w.size(0);
+  m.cols = w.size(1);
+  return m;
 }
 
 bool converts(const at::Tensor& t) { return t.scalar_type() == at::kBFloat16 && !native_bf16_gemms(); }
@@ -77,25 +99,33 @@ const char* base_gemm_path(at::ScalarType dtype) {
 }
 
 at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w) {
-  check_2d(x, "x");
   check_2d(w, "w");
-  TORCH_CHECK(x.size(1) == w.size(1), "panel_mm_nt: x [M, K] and w [N, K] disagree on K");
-  const int64_t M = x.size(0), N = w.size(0);
+  return panel_mm_nt(x, dense(w));
+}
+
+at::Tensor panel_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
+  check_2d(x, "x");
+  TORCH_CHECK(x.size(1) == w.cols, "panel_mm_nt: x [M, K] and w [N, K] disagree on K");
+  const int64_t M = x.size(0), N = w.rows;
   at::Tensor out = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return out;
   const at::ScalarType work = work_type(x);
   const at::Tensor x_w = to_work(x, work);
-  for_each_weight_panel(w, work, [&](int64_t n0, int64_t rows, const at::Tensor& p) {
+  for_each_weight_panel(w, x.options(), work, [&](int64_t n0, int64_t rows, const at::Tensor& p) {
     copy_rows(out.narrow(1, n0, rows), at::mm(x_w, p.t()));  // [M, rows], rounded once
   });
   return out;
 }
 
 at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend) {
-  check_2d(d, "d");
   check_2d(w, "w");
-  TORCH_CHECK(d.size(1) == w.size(0), "panel_mm_nn: d [M, N] and w [N, K] disagree on N");
-  const int64_t M = d.size(0), N = d.size(1), K = w.size(1);
+  return panel_mm_nn(d, dense(w), addend);
+}
+
+at::Tensor panel_mm_nn(const at::Tensor& d, const WeightMatrix& w, const std::optional<at::Tensor>& addend) {
+  check_2d(d, "d");
+  TORCH_CHECK(d.size(1) == w.rows, "panel_mm_nn: d [M, N] and w [N, K] disagree on N");
+  const int64_t M = d.size(0), N = d.size(1), K = w.cols;
   const at::ScalarType work = work_type(d);
   // The float accumulator of the whole result; each panel of w's rows adds its share.
   at::Tensor acc = at::empty({M, K}, d.options().dtype(work));
@@ -110,7 +140,7 @@ at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::opti
     return out;
   }
   const at::Tensor d_w = to_work(d, work);
-  for_each_weight_panel(w, work, [&](int64_t n0, int64_t rows, const at::Tensor& p) {
+  for_each_weight_panel(w, d.options(), work, [&](int64_t n0, int64_t rows, const at::Tensor& p) {
     acc.addmm_(d_w.narrow(1, n0, rows), p);
   });
   copy_rows(out, acc);
@@ -152,6 +182,25 @@ void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const at::Tensor& w) {
   } else {
     out.addmm_(d, w);
   }
+}
+
+at::Tensor base_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
+  return w.quantized() ? panel_mm_nt(x, w) : base_mm_nt(x, w.data);
+}
+
+at::Tensor base_mm_nn(const at::Tensor& d, const WeightMatrix& w) {
+  return w.quantized() ? panel_mm_nn(d, w, std::nullopt) : base_mm_nn(d, w.data);
+}
+
+void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w) {
+  if (!w.quantized()) return base_addmm_nn_(out, d, w.data);
+  out.copy_(panel_mm_nn(d, w, out));
+}
+
+at::Tensor thin_gemm_nt(const at::Tensor& x, const WeightMatrix& w) {
+  if (!w.quantized()) return thin_gemm_nt(x, w.data);
+  if (x.scalar_type() == at::kDouble) return panel_mm_nt(x, w);
+  return quant_gemv_nt(x, w, active_cpu_isa());
 }
 
 void base_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b) {

@@ -18,6 +18,7 @@
 #include <ATen/ATen.h>
 
 #include "ops/cpu_isa.h"
+#include "ops/expert_weights.h"
 
 namespace kt {
 
@@ -41,10 +42,23 @@ void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const at::Tensor& w);
 // out = aᵀ·b: a [M, N], b [M, K], out [N, K] contiguous (a weight gradient, written not added).
 void base_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 
+// The same on an expert's weight in any format (expert_weights.h): dense weights as above,
+// quantized ones dequantized panel by panel into float32 (float64 for float64 inputs), the
+// float GEMM accumulating in float32 and rounding once, as for bf16 on the panel path.
+at::Tensor base_mm_nt(const at::Tensor& x, const WeightMatrix& w);
+at::Tensor base_mm_nn(const at::Tensor& d, const WeightMatrix& w);
+void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w);
+
+// x·wᵀ for decode-sized x (a few rows): thin_gemm_nt on dense weights, quant_gemv_nt on
+// quantized ones (their bytes streamed once), the panels for float64.
+at::Tensor thin_gemm_nt(const at::Tensor& x, const WeightMatrix& w);
+
 // The same GEMMs forcing the bf16-to-float32 panel path whatever the CPU (tests compare it with
 // ATen). Any floating dtype; the result is rounded to the inputs' dtype.
 at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w);
 at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend);
 void panel_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
+at::Tensor panel_mm_nt(const at::Tensor& x, const WeightMatrix& w);
+at::Tensor panel_mm_nn(const at::Tensor& d, const WeightMatrix& w, const std::optional<at::Tensor>& addend);
 
 }  // namespace kt

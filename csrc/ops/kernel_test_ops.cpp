@@ -5,6 +5,9 @@
 #include "ops/base_gemm.h"
 #include "ops/convert_rows.h"
 #include "ops/cpu_isa.h"
+#include "ops/dequantize.h"
+#include "ops/expert_weights.h"
+#include "ops/quant_gemv.h"
 #include "ops/large_alloc.h"
 #include "ops/packed_weights.h"
 #include "ops/small_gemm.h"
@@ -43,6 +46,39 @@ at::Tensor panel_mm_tn_op(const at::Tensor& a, const at::Tensor& b) {
   at::Tensor out = at::empty({a.size(1), b.size(1)}, a.options());
   panel_mm_tn_out(out, a, b);
   return out;
+}
+
+// One expert's quantized weight [N, K] (int4: [N, K/2]) and its scale (expert_weights.h).
+WeightMatrix quantized_matrix(const at::Tensor& weight, const at::Tensor& scale) {
+  TORCH_CHECK_VALUE(weight.dim() == 2 && weight_format_of(weight.scalar_type()) != WeightFormat::kDense,
+                    "expected a 2-d float8_e4m3fn, int8 or uint8 (int4) weight");
+  return expert_weights(weight.unsqueeze(0), scale.unsqueeze(0)).expert(0);
+}
+
+at::Tensor dequantize_op(const at::Tensor& weight, const at::Tensor& scale, const std::string& isa) {
+  const WeightMatrix w = quantized_matrix(weight, scale);
+  at::Tensor out = at::empty({w.rows, w.cols}, weight.options().dtype(at::kFloat));
+  dequantize_rows(w, 0, w.rows, out.mutable_data_ptr<float>(), out.stride(0), parse_cpu_isa(isa, "isa"));
+  return out;
+}
+
+at::Tensor quant_gemv_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const std::string& isa) {
+  return quant_gemv_nt(x, quantized_matrix(weight, scale), parse_cpu_isa(isa, "isa"));
+}
+
+at::Tensor quant_mm_nt_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale) {
+  return panel_mm_nt(x, quantized_matrix(weight, scale));
+}
+
+at::Tensor quant_mm_nn_op(const at::Tensor& d, const at::Tensor& weight, const at::Tensor& scale,
+                          const std::optional<at::Tensor>& addend) {
+  return panel_mm_nn(d, quantized_matrix(weight, scale), addend);
+}
+
+at::Tensor panel_mm_nt_op(const at::Tensor& x, const at::Tensor& w) { return panel_mm_nt(x, w); }
+
+at::Tensor panel_mm_nn_op(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend) {
+  return panel_mm_nn(d, w, addend);
 }
 
 at::Tensor small_gemm_op(const std::optional<at::Tensor>& c, const at::Tensor& a, const at::Tensor& b,
@@ -98,8 +134,12 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_thin_gemm_nt", &thin_gemm_op);
   m.impl("_swiglu_forward", &swiglu_forward_op);
   m.impl("_swiglu_backward", &swiglu_backward_op);
-  m.impl("_panel_mm_nt", &panel_mm_nt);
-  m.impl("_panel_mm_nn", &panel_mm_nn);
+  m.impl("_panel_mm_nt", &panel_mm_nt_op);
+  m.impl("_panel_mm_nn", &panel_mm_nn_op);
+  m.impl("_dequantize", &dequantize_op);
+  m.impl("_quant_gemv_nt", &quant_gemv_op);
+  m.impl("_quant_mm_nt", &quant_mm_nt_op);
+  m.impl("_quant_mm_nn", &quant_mm_nn_op);
   m.impl("_panel_mm_tn", &panel_mm_tn_op);
   m.impl("_convert_rows", &convert_rows_op);
 }

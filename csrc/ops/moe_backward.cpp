@@ -36,7 +36,7 @@ enum Grad : int {
 // d_out·W[e] term is in d_in already). Returns
 // q = d_out·B[e] [n, r] when there is LoRA and need_q (dA needs it), else undefined. B comes
 // transposed (b_t [E, r, out]) so that q is a row-by-row dot product (thin_gemm_nt).
-at::Tensor input_backward(const at::Tensor& d_out, const at::Tensor& w, const std::optional<at::Tensor>& a,
+at::Tensor input_backward(const at::Tensor& d_out, const ExpertWeights& w, const std::optional<at::Tensor>& a,
                           const std::optional<at::Tensor>& b_t, double s, int64_t e, bool need_in, bool need_q,
                           at::Tensor& d_in, bool base_done = false) {
   at::Tensor q;
@@ -45,9 +45,9 @@ at::Tensor input_backward(const at::Tensor& d_out, const at::Tensor& w, const st
     if (base_done) {
       // d_out·W[e] is already in d_in (a GEMM on packed weights, see the block below)
     } else if (d_in.defined()) {
-      base_addmm_nn_(d_in, d_out, w[e]);
+      base_addmm_nn_(d_in, d_out, w.expert(e));
     } else {
-      d_in = base_mm_nn(d_out, w[e]);
+      d_in = base_mm_nn(d_out, w.expert(e));
     }
     if (a.has_value()) small_gemm(d_in, d_in, q, (*a)[e], s);
   }
@@ -98,15 +98,18 @@ std::vector<at::Tensor> moe_backward_cpu(
     const at::Tensor& up_proj, const at::Tensor& down_proj, const std::optional<at::Tensor>& gate_lora_a,
     const std::optional<at::Tensor>& gate_lora_b, const std::optional<at::Tensor>& up_lora_a,
     const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
-    const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list) {
+    const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list,
+    const std::optional<at::Tensor>& gate_scale, const std::optional<at::Tensor>& up_scale,
+    const std::optional<at::Tensor>& down_scale) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
+  const BaseScales scales{gate_scale, up_scale, down_scale};
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale);
+                                          down_proj, lora, lora_scale, scales);
   check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask_list);
   const std::array<bool, 11> output_mask = output_mask_array(output_mask_list);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale);
+                                          down_proj, lora, lora_scale, scales);
   const at::Tensor dy_all = grad_output.detach().reshape(in.x.sizes()).contiguous();
   const at::Tensor act = activations.detach().contiguous();
   const auto acc = accumulate_type(in.x.scalar_type());
@@ -119,15 +122,15 @@ std::vector<at::Tensor> moe_backward_cpu(
   const bool need_scaled_dy = need(kDown) || need(kDownA) || need(kDownB);
   const bool need_x = need_gate_side || need_up_side;
 
-  const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
+  const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
   const int64_t N = routing.num_pairs();
   const int64_t H = in.x.size(1);
-  const int64_t I = in.gate.size(1);
+  const int64_t I = in.gate.out;
 
   // Gradients of the expert weights (empty_large: recycled across calls, see large_alloc.h).
   // Every expert with rows overwrites its slice; the others' are zeroed after the loop.
   std::array<at::Tensor, kNumGrads> grads;
-  const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate, &in.up, &in.down,
+  const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate.data, &in.up.data, &in.down.data,
                                            lora.has_gate() ? &*in.lora.gate_a : nullptr,
                                            lora.has_gate() ? &*in.lora.gate_b : nullptr,
                                            lora.has_up() ? &*in.lora.up_a : nullptr,
@@ -141,7 +144,8 @@ std::vector<at::Tensor> moe_backward_cpu(
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
   // The transposed packed weights when forward packed these weights (packed_weights.h).
-  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/false);
+  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate.data, in.up.data, in.down.data,
+                                     /*forward_call=*/false);
   BlockRows dx_rows(need(kHidden) ? N : 0, in.x.scalar_type());  // dx of every sorted row, kept per block
   at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
 

@@ -46,12 +46,71 @@ void check_lora_pair(const char* proj, const std::optional<at::Tensor>& a,
   check_weight(b_name.c_str(), *b, hidden_states, experts, out, *rank, "[E, out, r]");
 }
 
+// Checks one base weight: dense ([E, out, in], hidden_states' dtype, no scale) or quantized
+// (see expert_weights.h for the layouts); returns its format.
+WeightFormat check_base_weight(const char* name, const char* scale_name, const at::Tensor& w,
+                               const std::optional<at::Tensor>& scale, const at::Tensor& hidden_states,
+                               const c10::SymInt& experts, const c10::SymInt& out, const c10::SymInt& in,
+                               const char* expected) {
+  const WeightFormat format = weight_format_of(w.scalar_type());
+  if (format == WeightFormat::kDense) {
+    TORCH_CHECK_TYPE(w.scalar_type() == hidden_states.scalar_type(), "kt.moe: ", name,
+                     " must have the dtype of hidden_states (", hidden_states.scalar_type(),
+                     ") or be quantized (float8_e4m3fn: fp8, int8: int8, uint8: int4 with two values per byte), got ",
+                     w.scalar_type());
+    TORCH_CHECK_VALUE(!scale.has_value(), "kt.moe: ", scale_name, " was given but ", name, " is ", w.scalar_type(),
+                      ": scales go with quantized weights (float8_e4m3fn, int8 or uint8)");
+    check_weight(name, w, hidden_states, experts, out, in, expected);
+    return format;
+  }
+  const char* fmt = weight_format_name(format);
+  TORCH_CHECK_VALUE(scale.has_value(), "kt.moe: ", name, " is quantized (", fmt, ", ", w.scalar_type(), ") so ",
+                    scale_name, " must be given");
+  TORCH_CHECK_VALUE(w.dim() == 3, "kt.moe: ", name, " must be 3-d, got shape ", w.sym_sizes());
+  TORCH_CHECK(w.device() == hidden_states.device() && scale->device() == hidden_states.device(), "kt.moe: ", name,
+              " and ", scale_name, " must be on the device of hidden_states (", hidden_states.device(), "), got ",
+              w.device(), " and ", scale->device());
+  TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16, "kt.moe: ",
+                   scale_name, " must be float32 or bfloat16, got ", scale->scalar_type());
+  const c10::SymInt stored_in = format == WeightFormat::kInt4 ? in / 2 : in;
+  if (format == WeightFormat::kInt4) {
+    TORCH_CHECK_VALUE(in % 2 == 0, "kt.moe: ", name, " is int4 (two values per byte) so its input size must be even, got ", in);
+  }
+  TORCH_CHECK_VALUE(w.sym_size(0) == experts && w.sym_size(1) == out && w.sym_size(2) == stored_in, "kt.moe: ", name,
+                    " (", fmt, ") must have shape [", experts, ", ", out, ", ", stored_in, "]",
+                    format == WeightFormat::kInt4 ? " (two int4 values per byte)" : "", ", got ", w.sym_sizes());
+  const auto& ss = scale->sym_sizes();
+  switch (format) {
+    case WeightFormat::kFp8: {
+      const c10::SymInt ob = (out + (kFp8Block - 1)) / kFp8Block, ib = (in + (kFp8Block - 1)) / kFp8Block;
+      TORCH_CHECK_VALUE(scale->dim() == 3 && ss[0] == experts && ss[1] == ob && ss[2] == ib, "kt.moe: ", scale_name,
+                        " must have shape [E, ceil(out/128), ceil(in/128)] = [", experts, ", ", ob, ", ", ib,
+                        "] (one scale per 128x128 block), got ", ss);
+      break;
+    }
+    case WeightFormat::kInt8:
+      TORCH_CHECK_VALUE((scale->dim() == 2 || (scale->dim() == 3 && ss[2] == 1)) && ss[0] == experts && ss[1] == out,
+                        "kt.moe: ", scale_name, " must have shape [E, out] = [", experts, ", ", out,
+                        "] (one scale per output channel), got ", ss);
+      break;
+    default: {
+      TORCH_CHECK_VALUE(scale->dim() == 3 && ss[0] == experts && ss[1] == out && ss[2] != 0, "kt.moe: ", scale_name,
+                        " must have shape [E, out, in / group_size] = [", experts, ", ", out,
+                        ", in / group_size] (group_size 32, 64 or 128), got ", ss);
+      const c10::SymInt group = in / ss[2];
+      TORCH_CHECK_VALUE(group * ss[2] == in && (group == 32 || group == 64 || group == 128), "kt.moe: ", scale_name,
+                        " has ", ss[2], " groups per row of ", in, " values: group_size must be 32, 64 or 128");
+    }
+  }
+  return format;
+}
+
 }  // namespace
 
 MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                           const at::Tensor& topk_weights, const at::Tensor& gate_proj,
                           const at::Tensor& up_proj, const at::Tensor& down_proj,
-                          const LoraTensors& lora, double lora_scale) {
+                          const LoraTensors& lora, double lora_scale, const BaseScales& scales) {
   TORCH_CHECK_VALUE(hidden_states.dim() >= 1, "kt.moe: hidden_states must be [..., H] with at least 1 dim, got a ",
                     hidden_states.dim(), "-d tensor");
   TORCH_CHECK_TYPE(is_supported_float(hidden_states.scalar_type()),
@@ -92,9 +151,9 @@ MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& top
   const auto& E = sizes.experts;
   const auto& I = sizes.intermediate;
   const auto& H = sizes.hidden;
-  check_weight("gate_proj", gate_proj, hidden_states, E, I, H, "[E, I, H]");
-  check_weight("up_proj", up_proj, hidden_states, E, I, H, "[E, I, H]");
-  check_weight("down_proj", down_proj, hidden_states, E, H, I, "[E, H, I]");
+  sizes.formats[0] = check_base_weight("gate_proj", "gate_scale", gate_proj, scales.gate, hidden_states, E, I, H, "[E, I, H]");
+  sizes.formats[1] = check_base_weight("up_proj", "up_scale", up_proj, scales.up, hidden_states, E, I, H, "[E, I, H]");
+  sizes.formats[2] = check_base_weight("down_proj", "down_scale", down_proj, scales.down, hidden_states, E, H, I, "[E, H, I]");
 
   std::optional<c10::SymInt> rank;
   check_lora_pair("gate", lora.gate_a, lora.gate_b, hidden_states, E, I, H, rank);
@@ -115,6 +174,12 @@ void check_moe_backward_inputs(const MoeSizes& sizes, const at::Tensor& grad_out
   for (int i = 0; i < 6; ++i) {
     TORCH_CHECK_VALUE(!output_mask.get(5 + i) || has_lora[i], "kt.moe_backward: output_mask[", 5 + i,
                       "] asks for the gradient of a LoRA tensor that was not given");
+  }
+  const char* base_names[3] = {"gate_proj", "up_proj", "down_proj"};
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK_VALUE(!output_mask.get(2 + i) || sizes.formats[i] == WeightFormat::kDense, "kt.moe_backward: output_mask[",
+                      2 + i, "] asks for the gradient of ", base_names[i], ", which is quantized (",
+                      weight_format_name(sizes.formats[i]), "): quantized base weights are frozen (train LoRA adapters)");
   }
   TORCH_CHECK_VALUE(grad_output.sym_sizes() == hidden_states.sym_sizes(),
                     "kt.moe_backward: grad_output must have the shape of hidden_states ",

@@ -9,6 +9,8 @@
 
 #include <array>
 
+#include "ops/expert_weights.h"
+
 namespace kt {
 
 // The six optional LoRA tensors, in schema order.
@@ -20,6 +22,11 @@ struct LoraTensors {
   bool has_down() const { return down_a.has_value(); }
 };
 
+// The optional scales of quantized base weights (expert_weights.h), in schema order.
+struct BaseScales {
+  std::optional<at::Tensor> gate, up, down;
+};
+
 // Sizes of one kt.moe call, as SymInts.
 struct MoeSizes {
   c10::SymInt tokens;        // T: product of the leading dims of hidden_states
@@ -27,6 +34,7 @@ struct MoeSizes {
   c10::SymInt top_k;         // K
   c10::SymInt experts;       // E
   c10::SymInt intermediate;  // I
+  std::array<WeightFormat, 3> formats{};  // of gate_proj, up_proj, down_proj
 };
 
 // Checks every argument of kt.moe / kt.moe_forward and returns the sizes.
@@ -40,7 +48,8 @@ MoeSizes check_moe_inputs(
     const at::Tensor& up_proj,
     const at::Tensor& down_proj,
     const LoraTensors& lora,
-    double lora_scale);
+    double lora_scale,
+    const BaseScales& scales);
 
 // Checks the extra arguments of kt.moe_backward (grad_output, activations, output_mask).
 void check_moe_backward_inputs(

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include "ops/expert_weights.h"
 #include "ops/moe_checks.h"
 #include "ops/routing.h"
 
@@ -20,7 +21,7 @@ struct MoeInputs {
   at::Tensor x;        // [T, H]
   at::Tensor ids;      // [T, K]
   at::Tensor weights;  // [T, K] in the accumulation dtype
-  at::Tensor gate, up, down;
+  ExpertWeights gate, up, down;  // dense or quantized (expert_weights.h)
   LoraTensors lora;
   double scale;
 };
@@ -28,7 +29,7 @@ struct MoeInputs {
 MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& gate_proj,
                              const at::Tensor& up_proj, const at::Tensor& down_proj,
-                             const LoraTensors& lora, double lora_scale);
+                             const LoraTensors& lora, double lora_scale, const BaseScales& scales);
 
 // The per-block results of an expert pass (forward's expert outputs, backward's input
 // gradients), addressed by sorted row, without copying them into one [N, H] buffer: each

@@ -6,7 +6,8 @@
 // and then y[t] = Σ_j w[t, j]·o[t, j] in fixed slot order. Base GEMMs are oneDNN's, on
 // pre-packed weights with gate|up fused into one GEMM when the weights stay unchanged
 // (packed_weights.h, CPUs with native bf16 GEMMs), else base_gemm.h's (ATen, or bf16
-// converted to float32 panels where the CPU has no fast bf16 GEMM);
+// converted to float32 panels where the CPU has no fast bf16 GEMM, or quantized weights
+// dequantized panel by panel);
 // one thread each, blocks spread over torch's intra-op threads; the rank-r LoRA updates
 // (small_gemm) and silu(g)·u (swiglu_forward) are fused kernels of our own. Blocks of a few
 // rows (decode) skip the GEMMs: their projections are row dot products over the expert's
@@ -47,16 +48,18 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     const std::optional<at::Tensor>& gate_lora_a, const std::optional<at::Tensor>& gate_lora_b,
     const std::optional<at::Tensor>& up_lora_a, const std::optional<at::Tensor>& up_lora_b,
     const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
-    double lora_scale, bool save_activations) {
+    double lora_scale, bool save_activations, const std::optional<at::Tensor>& gate_scale,
+    const std::optional<at::Tensor>& up_scale, const std::optional<at::Tensor>& down_scale) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
+  const BaseScales scales{gate_scale, up_scale, down_scale};
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale);
+                                          down_proj, lora, lora_scale, scales);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale);
+                                          down_proj, lora, lora_scale, scales);
   const int64_t H = in.x.size(1);
-  const int64_t I = in.gate.size(1);
-  const ExpertRouting routing = route_to_experts(in.ids, in.gate.size(0));
+  const int64_t I = in.gate.out;
+  const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
   const int64_t N = routing.num_pairs();
 
   // oneDNN-packed base weights once they have stayed the same for a few calls (see
@@ -66,7 +69,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
   const std::vector<ExpertBlock> blocks = expert_blocks(routing, kForwardBlockRows);
   const bool uses_gemms = std::any_of(blocks.begin(), blocks.end(),
                                       [](const ExpertBlock& b) { return b.end - b.begin > kGemvMaxRows; });
-  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate, in.up, in.down, /*forward_call=*/uses_gemms);
+  const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate.data, in.up.data, in.down.data,
+                                     /*forward_call=*/uses_gemms);
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
@@ -82,15 +86,15 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
                                               gemv ? n : padded_rows(n, in.x.scalar_type()));
     at::Tensor g, u;  // [p, I] each; column halves of one [p, 2I] result on packed weights
     if (gemv) {
-      g = thin_gemm_nt(x_e, in.gate[e]);
-      u = thin_gemm_nt(x_e, in.up[e]);
+      g = thin_gemm_nt(x_e, in.gate.expert(e));
+      u = thin_gemm_nt(x_e, in.up.expert(e));
     } else if (packed) {
       const at::Tensor gu = packed_linear(x_e, packed->gate_up[e]);
       g = gu.narrow(1, 0, I);
       u = gu.narrow(1, I, I);
     } else {
-      g = base_mm_nt(x_e, in.gate[e]);
-      u = base_mm_nt(x_e, in.up[e]);
+      g = base_mm_nt(x_e, in.gate.expert(e));
+      u = base_mm_nt(x_e, in.up.expert(e));
     }
     add_lora(g, x_e, expert_slice(in.lora.gate_a, e), expert_slice(gate_b_t, e), in.scale);
     add_lora(u, x_e, expert_slice(in.lora.up_a, e), expert_slice(up_b_t, e), in.scale);
@@ -99,8 +103,8 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
     const at::Tensor h = swiglu(g, u);
-    at::Tensor o = gemv ? thin_gemm_nt(h, in.down[e])
-                        : packed ? packed_linear(h, packed->down[e]) : base_mm_nt(h, in.down[e]);
+    at::Tensor o = gemv ? thin_gemm_nt(h, in.down.expert(e))
+                        : packed ? packed_linear(h, packed->down[e]) : base_mm_nt(h, in.down.expert(e));
     add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
     expert_out.keep(blk.begin, n, o);
   });

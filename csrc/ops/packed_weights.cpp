@@ -143,7 +143,10 @@ std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, cons
                                                     const at::Tensor& down, const at::Tensor& gate_contiguous,
                                                     const at::Tensor& up_contiguous,
                                                     const at::Tensor& down_contiguous, bool forward_call) {
-  if (!packable(gate)) return nullptr;
+  // Dense bf16 weights only: quantized ones are dequantized panel by panel (base_gemm.h).
+  if (!packable(gate) || up.scalar_type() != gate.scalar_type() || down.scalar_type() != gate.scalar_type()) {
+    return nullptr;
+  }
   auto kg = WeightKey::of(gate), ku = WeightKey::of(up), kd = WeightKey::of(down);
   if (!kg || !ku || !kd) return nullptr;
   std::lock_guard<std::mutex> lock(cache_mutex);

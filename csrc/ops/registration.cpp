@@ -22,37 +22,46 @@ PyObject* PyInit__C(void) {
   "Tensor? up_lora_a=None, Tensor? up_lora_b=None, "                                       \
   "Tensor? down_lora_a=None, Tensor? down_lora_b=None, float lora_scale=1.0"
 
+// Scales of quantized base weights (csrc/ops/expert_weights.h: a float8_e4m3fn, int8 or
+// uint8 (int4) gate_proj / up_proj / down_proj comes with its scale), last in every schema so
+// that calls on dense weights are unchanged.
+#define KT_SCALE_ARGS "Tensor? gate_scale=None, Tensor? up_scale=None, Tensor? down_scale=None"
+
 TORCH_LIBRARY(kt, m) {
   // The public, differentiable op. CompositeImplicitAutograd: it calls moe_forward and
   // returns only the output; autograd lives on moe_forward.
-  m.def("moe(" KT_MOE_ARGS ") -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ") -> Tensor", {at::Tag::pt2_compliant_tag});
 
   // Forward that also returns what backward needs: the gate and up pre-activations
   // [2, T*K, I] in expert-sorted order (or [2, 0, I] when save_activations is false).
-  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False) -> (Tensor output, Tensor activations)",
+  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS
+        ") -> (Tensor output, Tensor activations)",
         {at::Tag::pt2_compliant_tag});
 
   // Gradients of moe_forward. output_mask has 11 entries, in the order
   // hidden_states, topk_weights, gate_proj, up_proj, down_proj, gate_lora_a, gate_lora_b,
   // up_lora_a, up_lora_b, down_lora_a, down_lora_b; an unrequested gradient is not
-  // computed and comes back as an empty tensor of shape [0]. Returns the 11 gradients in
+  // computed and comes back as an empty tensor of shape [0]; quantized base weights have none. Returns the 11 gradients in
   // the order of output_mask.
   m.def(
       "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
-      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask) -> Tensor[]",
+      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
+      ") -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 
   // The C++ CPU kernels of moe_forward / moe_backward. The CPU kernels registered for the
   // two ops above are thin Python wrappers (kt_ops/_kernels.py) that call these and, on
   // failure, tell the other ranks of a distributed job before raising (kt_ops/faults.py).
-  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False) -> (Tensor output, Tensor activations)");
+  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS
+        ") -> (Tensor output, Tensor activations)");
   m.def(
       "_moe_backward_cpu(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
-      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask) -> Tensor[]");
+      "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
+      ") -> Tensor[]");
 
   // Collectives over a torch.distributed process group (kernels and autograd:
   // kt_ops/collectives.py; fakes: meta_kernels/collectives.py). rank and world_size are
@@ -99,6 +108,12 @@ TORCH_LIBRARY(kt, m) {
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
   m.def("_panel_mm_tn(Tensor a, Tensor b) -> Tensor");
   m.def("_convert_rows(Tensor src, ScalarType dtype, str isa) -> Tensor");
+  // One expert's quantized weight (csrc/ops/expert_weights.h) dequantized to float32 on a path,
+  // its decode GEMV on a path, and its panel GEMMs x·wᵀ, d·w [+ addend] (active path).
+  m.def("_dequantize(Tensor weight, Tensor scale, str isa) -> Tensor");
+  m.def("_quant_gemv_nt(Tensor x, Tensor weight, Tensor scale, str isa) -> Tensor");
+  m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");
+  m.def("_quant_mm_nn(Tensor d, Tensor weight, Tensor scale, Tensor? addend) -> Tensor");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");

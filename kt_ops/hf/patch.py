@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from kt_ops import quantization
 from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts
 from kt_ops.layer import KTMoE
 from kt_ops.rank_discovery import discover_rank
@@ -38,7 +39,8 @@ def patched_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 
 def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[float] = None,
                 train_base: bool = False, owner_rank: int = 0,
-                process_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+                process_group: Optional[dist.ProcessGroup] = None, expert_format: Optional[str] = None,
+                group_size: Optional[int] = None) -> nn.Module:
     """Replace, in place, every transformers experts module of ``model`` by a
     :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
@@ -71,6 +73,12 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         owner_rank: the rank whose CPU holds the experts.
         process_group: the process group of a multi-rank job (default: the default group, or
             ``RANK``/``WORLD_SIZE`` before ``init_process_group``).
+        expert_format: None (experts kept in the model's dtype) or ``"fp8"`` / ``"int8"`` /
+            ``"int4"``: the owner quantizes each experts module while patching it (see
+            :mod:`kt_ops.quantization`), one module at a time, and the model's float copy of
+            that module is dropped before the next: the extra memory at any moment is one
+            module's experts. Quantized experts are frozen (no ``train_base``).
+        group_size: int4's input columns per scale (32, 64 or 128; default 32).
 
     Returns:
         ``model`` (patched in place). Parameters outside the experts keep their
@@ -92,6 +100,10 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         raise ValueError(f"patch_model: lora_alpha must be a finite number or None, got {lora_alpha!r}")
     if lora_alpha is None:
         lora_alpha = float(max(lora_rank, 1))
+    group_size = quantization.check_format(expert_format, group_size, "patch_model")
+    if expert_format is not None and train_base:
+        raise ValueError(f"patch_model: train_base=True cannot train quantized experts (expert_format={expert_format!r}): "
+                         "quantized base weights are frozen; train LoRA adapters (lora_rank > 0) instead")
 
     targets = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
     if not targets:
@@ -105,11 +117,17 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             "(gate_up_proj [E, 2I, H], down_proj [E, H, I]).")
     for name, experts in targets:  # check every module before changing any
         why = experts_support(experts)
+        if why is None and expert_format == "int4":
+            E, two_i, H = experts.gate_up_proj.shape
+            if H % group_size or (two_i // 2) % group_size:
+                why = (f"int4 groups of {group_size} must divide hidden size {H} and intermediate size {two_i // 2}; "
+                       "choose another group_size")
         if why is not None:
             raise ValueError(f"patch_model: {name}: {why}")
     for name, experts in targets:
         new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
-                               owner_rank=owner_rank, process_group=process_group)
+                               owner_rank=owner_rank, process_group=process_group, expert_format=expert_format,
+                               group_size=group_size)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
@@ -125,7 +143,8 @@ def _top_k(experts: nn.Module, num_experts: int) -> int:
 
 
 def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
-                     owner_rank: int, process_group: Optional[dist.ProcessGroup]) -> KTExperts:
+                     owner_rank: int, process_group: Optional[dist.ProcessGroup], expert_format: Optional[str],
+                     group_size: Optional[int]) -> KTExperts:
     gate_up, down = experts.gate_up_proj, experts.down_proj
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -138,16 +157,28 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if rank == owner_rank else nullcontext()):
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
-                       dtype=gate_up.dtype)
+                       dtype=gate_up.dtype, expert_format=expert_format, group_size=group_size)
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.
     lora_seed = int(torch.randint(0, 2**62, ()).item())
     if kt.is_owner:
         on_meta = gate_up.device.type == "meta"
         cpu = gate_up.device if on_meta else torch.device("cpu")
         with torch.no_grad():
-            kt.gate_proj = nn.Parameter(gate_up.detach()[:, :I].to(cpu).contiguous(), requires_grad=train_base)
-            kt.up_proj = nn.Parameter(gate_up.detach()[:, I:].to(cpu).contiguous(), requires_grad=train_base)
-            kt.down_proj = nn.Parameter(down.detach().to(cpu).contiguous(), requires_grad=train_base)
+            weights = {"gate_proj": gate_up.detach()[:, :I], "up_proj": gate_up.detach()[:, I:],
+                       "down_proj": down.detach()}
+            for name, w in weights.items():
+                if expert_format is None:
+                    setattr(kt, name, nn.Parameter(w.to(cpu).contiguous(), requires_grad=train_base))
+                elif on_meta:
+                    pass  # KTExperts was built on the meta device with the quantized layout
+                else:
+                    # Parameters allocated for real (the layer was built on meta), then filled
+                    # expert by expert from the model's weights wherever they live.
+                    meta_data, meta_scale = getattr(kt, name), getattr(kt, name.replace("proj", "scale"))
+                    setattr(kt, name, nn.Parameter(torch.empty_like(meta_data, device=cpu), requires_grad=False))
+                    setattr(kt, name.replace("proj", "scale"),
+                            nn.Parameter(torch.empty_like(meta_scale, device=cpu), requires_grad=False))
+                    kt.set_quantized_weight(name, w)
             if lora_rank:
                 _init_lora(kt, cpu, lora_seed, on_meta)
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
@@ -160,7 +191,7 @@ def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> Non
     """PEFT-layout LoRA of the experts, PEFT's init (A ~ U(±1/sqrt(in)), B = 0), with the
     gate and up A tied (one parameter: PEFT's single LoRA on the fused gate_up_proj)."""
     E, I, H, r = kt.num_experts, kt.intermediate_size, kt.hidden_size, kt.lora_rank
-    dtype = kt.gate_proj.dtype
+    dtype = kt.expert_dtype
     g = torch.Generator().manual_seed(seed)
 
     def a(fan_in):
