@@ -26,12 +26,14 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_meta(
           at::empty_symint(activation_shape(sizes, save_activations), hidden_states.options())};
 }
 
-at::Tensor grad_like(bool needed, const at::Tensor& like) {
-  return needed ? at::empty_symint(like.sym_sizes(), like.options()) : at::empty({0}, like.options());
+// An unrequested gradient is an empty [0] tensor in the dtype of hidden_states for every
+// weight (as the CPU kernel returns it; a quantized weight never has a gradient).
+at::Tensor grad_like(bool needed, const at::Tensor& like, const at::Tensor& hidden_states) {
+  return needed ? at::empty_symint(like.sym_sizes(), like.options()) : at::empty({0}, hidden_states.options());
 }
 
-at::Tensor grad_like(bool needed, const std::optional<at::Tensor>& like, const at::Tensor& fallback) {
-  return like.has_value() ? grad_like(needed, *like) : at::empty({0}, fallback.options());
+at::Tensor grad_like(bool needed, const std::optional<at::Tensor>& like, const at::Tensor& hidden_states) {
+  return like.has_value() ? grad_like(needed, *like, hidden_states) : at::empty({0}, hidden_states.options());
 }
 
 std::vector<at::Tensor> moe_backward_meta(
@@ -49,11 +51,11 @@ std::vector<at::Tensor> moe_backward_meta(
   check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask_list);
   const std::array<bool, 11> output_mask = output_mask_array(output_mask_list);
   const auto& m = output_mask;
-  return {grad_like(m[0], hidden_states),
-          grad_like(m[1], topk_weights),
-          grad_like(m[2], gate_proj),
-          grad_like(m[3], up_proj),
-          grad_like(m[4], down_proj),
+  return {grad_like(m[0], hidden_states, hidden_states),
+          m[1] ? at::empty_symint(topk_weights.sym_sizes(), topk_weights.options()) : at::empty({0}, topk_weights.options()),
+          grad_like(m[2], gate_proj, hidden_states),
+          grad_like(m[3], up_proj, hidden_states),
+          grad_like(m[4], down_proj, hidden_states),
           grad_like(m[5], gate_lora_a, hidden_states),
           grad_like(m[6], gate_lora_b, hidden_states),
           grad_like(m[7], up_lora_a, hidden_states),

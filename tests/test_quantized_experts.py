@@ -1,0 +1,323 @@
+"""kt.moe on quantized frozen experts (fp8 blocks, int8 channels, int4 groups; formats in
+kt_ops.quantization): quantize/dequantize round trips, the dequantization and decode GEMV
+kernels of every instruction-set path against the reference loop and float64, the op's
+output and gradients against the float64 reference on the dequantized weights for every
+format, dtype, mode and path, bad input, and opcheck."""
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import kt_ops
+from kt_ops import quantization
+from kt_ops.cpu_isa import ISAS, supported_cpu_isas
+from moe_testing import TOLERANCE, grad_output_for, rel_err, run_op, run_reference
+from quantized_samples import BASE, FORMAT_IDS, FORMATS, SCALES, dequantized_inputs, quantized_inputs
+
+f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
+
+
+def isa_param(isa):
+    marks = [] if isa in supported_cpu_isas() else [pytest.mark.skip(reason=f"this CPU cannot run {isa}")]
+    return pytest.param(isa, marks=marks, id=isa)
+
+
+ALL_ISAS = [isa_param(isa) for isa in ISAS]
+
+
+def randn(*shape, seed, dtype=f32):
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=f64).to(dtype)
+
+
+# ---- quantize / dequantize --------------------------------------------------------------------
+
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("scale_dtype", [f32, bf16], ids=["fp32-scales", "bf16-scales"])
+def test_round_trip_within_the_formats_rounding_bound(fmt, group, scale_dtype):
+    """|w - dequantize(quantize(w))| stays within half a quantization step (int) or half an
+    fp8 ulp (3 mantissa bits) of each element; shapes cross fp8 blocks and int4 groups."""
+    w = randn(3, 200, 384, seed=1) * torch.logspace(-3, 1, 384)  # columns of very different size
+    data, scale = quantization.quantize(w, fmt, group, scale_dtype=scale_dtype)
+    assert data.dtype == {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}[fmt]
+    assert scale.dtype == scale_dtype
+    back = quantization.dequantize(data, scale)
+    assert back.shape == w.shape and back.dtype == f32
+    err = (back.double() - w.double()).abs()
+    s = scale.double()
+    if fmt == "fp8":
+        step = s.repeat_interleave(128, 1).repeat_interleave(128, 2)[:, :200, :384]
+        bound = torch.maximum(w.double().abs() * 2.0 ** -4, step * 2.0 ** -10)  # normal / subnormal half ulp
+    elif fmt == "int8":
+        bound = s[:, :, None].expand_as(err) * 0.5
+    else:
+        bound = s.repeat_interleave(group, 2) * 0.5
+    # A bf16 scale rounded below amax / qmax clamps the largest values by at most qmax·2^-8
+    # steps, still within the bound.
+    assert (err <= bound * (1 + 1e-6)).all(), (err / bound).max().item()
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_quantize_rejects_non_finite_weights(fmt, group, bad):
+    w = randn(2, 8, 128, seed=2)
+    w[1, 3, 5] = bad
+    with pytest.raises(ValueError, match=r"gate_proj has NaN or inf values \(expert 1\)"):
+        quantization.quantize(w, fmt, group, name="gate_proj")
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(expert_format="int5"), "expert_format must be None or one of"),
+    (dict(expert_format="int4", group_size=48), "group_size must be one of"),
+    (dict(expert_format="int8", group_size=32), "group_size is for expert_format='int4' only"),
+])
+def test_format_arguments_are_checked(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        quantization.quantize(randn(1, 4, 128, seed=0), **kwargs)
+
+
+def test_int4_needs_whole_groups():
+    with pytest.raises(ValueError, match="not a multiple of group_size=64"):
+        quantization.quantize(randn(1, 4, 96, seed=0), "int4", 64)
+
+
+def test_all_zero_blocks_get_scale_one():
+    data, scale = quantization.quantize(torch.zeros(1, 130, 140), "fp8")
+    assert (scale == 1).all() and (quantization.dequantize(data, scale) == 0).all()
+
+
+# ---- kernels ----------------------------------------------------------------------------------
+
+def every_byte(rows, cols, seed):
+    """[rows, cols] uint8 covering every byte value (shuffled), so every code is decoded."""
+    g = torch.Generator().manual_seed(seed)
+    codes = torch.arange(256, dtype=torch.uint8).repeat(rows * cols // 256 + 1)[: rows * cols]
+    return codes[torch.randperm(rows * cols, generator=g)].reshape(rows, cols)
+
+
+def raw_weight(fmt, group, rows, cols, scale_dtype, seed):
+    """One expert's quantized weight with every byte value and random positive/negative scales."""
+    stored = every_byte(rows, cols // 2 if fmt == "int4" else cols, seed)
+    data = {"fp8": stored.view(torch.float8_e4m3fn), "int8": stored.view(torch.int8), "int4": stored}[fmt]
+    shape = {"fp8": (-(-rows // 128), -(-cols // 128)), "int8": (rows,), "int4": (rows, cols // (group or 1))}[fmt]
+    scale = (randn(*shape, seed=seed + 1) * 0.01).to(scale_dtype)
+    return data, scale
+
+
+def python_dequantize(data, scale):
+    return quantization.dequantize(data.unsqueeze(0), scale.unsqueeze(0))[0]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("scale_dtype", [f32, bf16], ids=["fp32-scales", "bf16-scales"])
+def test_dequantize_kernel_equals_the_python_dequantize_on_every_byte(isa, fmt, group, scale_dtype):
+    """Bit for bit, NaN codes included (fp8 0x7f / 0xff); fp8/int8 rows of 139 columns end in a
+    partial vector and a partial block, and 130 rows span two fp8 block rows."""
+    cols = 139 if fmt != "int4" else 2 * 128
+    data, scale = raw_weight(fmt, group, 130, cols, scale_dtype, seed=3)
+    got = torch.ops.kt._dequantize(data, scale, isa)
+    want = python_dequantize(data, scale)
+    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    if fmt == "fp8":
+        assert got.isnan().any()  # the NaN codes were decoded as NaN
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rows", [1, 3, 4])
+def test_decode_gemv_matches_float64(isa, fmt, group, dtype, rows):
+    w = randn(1, 72, 384, seed=4) * 0.05
+    data, scale = quantization.quantize(w, fmt, group)
+    x = randn(rows, 384, seed=5, dtype=dtype)
+    got = torch.ops.kt._quant_gemv_nt(x, data[0], scale[0], isa)
+    want = x.double() @ quantization.dequantize(data, scale)[0].double().t()
+    assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])
+def test_panel_gemms_match_float64(isa, fmt, group, dtype):
+    """x·wᵀ and d·w (+ addend) over a weight of 600 rows x 384 columns: 341-row panels of
+    the [600, 384] weight, so the second panel is partial."""
+    w = randn(1, 600, 384, seed=6) * 0.05
+    data, scale = quantization.quantize(w, fmt, group)
+    deq = quantization.dequantize(data, scale)[0].double()
+    x, d, add = randn(37, 384, seed=7, dtype=dtype), randn(37, 600, seed=8, dtype=dtype), randn(37, 384, seed=9, dtype=dtype)
+    with kt_ops.use_cpu_isa(isa):
+        nt = torch.ops.kt._quant_mm_nt(x, data[0], scale[0])
+        nn_ = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], add)
+    assert nt.dtype == dtype and nn_.dtype == dtype
+    assert rel_err(nt, x.double() @ deq.t()) < TOLERANCE[dtype]
+    assert rel_err(nn_, d.double() @ deq + add.double()) < TOLERANCE[dtype]
+
+
+# ---- kt.moe -----------------------------------------------------------------------------------
+
+def check_against_reference(kwargs, dtype):
+    grad_out = grad_output_for(kwargs)
+    out, grads = run_op(kwargs, grad_out)
+    ref_out, ref_grads = run_reference(dequantized_inputs(kwargs), grad_out)
+    assert out.dtype == dtype
+    err = rel_err(out, ref_out)
+    assert err < TOLERANCE[dtype], f"output: relative error {err:.3g}"
+    for name, g in grads.items():
+        err = rel_err(g, ref_grads[name])
+        assert err < TOLERANCE[dtype], f"d{name}: relative error {err:.3g}"
+    return grads
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("mode", ["inference", "lora"])
+@pytest.mark.parametrize("T", [2, 48], ids=["decode", "gemm"])
+def test_moe_matches_float64_on_the_dequantized_weights(isa, fmt, group, dtype, mode, T):
+    """Output and every gradient (hidden states, routing weights, the six LoRA tensors) of
+    kt.moe on quantized experts against float64 on the dequantized ones. T = 2: every expert
+    block is decode-sized (the quantized GEMV); T = 48: GEMMs on dequantized panels."""
+    kwargs = quantized_inputs(fmt, group, T_shape=(T,), H=256, I=128, E=4, K=2, r=0 if mode == "inference" else 4,
+                              dtype=dtype, mode=mode, seed=10)
+    with kt_ops.use_cpu_isa(isa):
+        grads = check_against_reference(kwargs, dtype)
+    if mode == "lora":
+        assert set(grads) == {"hidden_states", "topk_weights", "gate_lora_a", "gate_lora_b", "up_lora_a",
+                              "up_lora_b", "down_lora_a", "down_lora_b"}
+
+
+@pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 64)], ids=["fp8", "int8", "int4-g64"])
+def test_moe_with_several_weight_panels_and_partial_fp8_blocks(fmt, group):
+    """H = 2112 (16.5 fp8 blocks; gate/up panels of 48 rows, down in two panels), bf16, LoRA."""
+    kwargs = quantized_inputs(fmt, group, T_shape=(24,), H=2112, I=128, E=3, K=2, r=4, dtype=bf16, mode="lora",
+                              seed=11)
+    check_against_reference(kwargs, bf16)
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+def test_bf16_and_fp32_scales_give_the_same_result(fmt, group):
+    """The kernels read bf16 scales as they are: the same values as float32 give the same output."""
+    kwargs = quantized_inputs(fmt, group, T_shape=(20,), H=256, I=128, E=4, K=2, dtype=f32, seed=12,
+                              scale_dtype=bf16)
+    out_bf16_scales = kt_ops.moe(**kwargs)
+    for s in SCALES:
+        kwargs[s] = kwargs[s].float()
+    torch.testing.assert_close(kt_ops.moe(**kwargs), out_bf16_scales, rtol=0, atol=0)
+
+
+def test_quantized_and_dense_projections_mix():
+    """Each projection's format is its own: a dense down_proj beside quantized gate/up."""
+    kwargs = quantized_inputs("int8", None, T_shape=(20,), H=128, I=64, E=4, K=2, r=4, dtype=f32, mode="lora", seed=13)
+    kwargs["down_proj"] = quantization.dequantize(kwargs["down_proj"], kwargs.pop("down_scale"))
+    check_against_reference({**kwargs, "down_scale": None}, f32)
+
+
+# ---- bad input ----------------------------------------------------------------------------------
+
+def int4_inputs():
+    return quantized_inputs("int4", 32, T_shape=(4,), H=64, I=32, E=3, K=2, r=2, dtype=f32, seed=14)
+
+
+def drop(name):
+    def mutate(kw):
+        kw[name] = None
+    return mutate
+
+
+def replace(name, make):
+    def mutate(kw):
+        kw[name] = make(kw)
+    return mutate
+
+
+BAD = [
+    ("missing-scale", drop("up_scale"), ValueError, "up_proj is quantized \\(int4, Byte\\) so up_scale must be given"),
+    ("scale-for-dense", replace("gate_proj", lambda kw: torch.zeros(3, 32, 64)), ValueError,
+     "gate_scale was given but gate_proj is Float"),
+    ("wrong-int4-shape", replace("gate_proj", lambda kw: torch.zeros(3, 32, 64, dtype=torch.uint8)), ValueError,
+     r"gate_proj \(int4\) must have shape \[3, 32, 32\] \(two int4 values per byte\)"),
+    ("bad-group", replace("gate_scale", lambda kw: torch.ones(3, 32, 4)), ValueError,
+     "gate_scale has 4 groups per row of 64 values: group_size must be 32, 64 or 128"),
+    ("int-scale", replace("down_scale", lambda kw: kw["down_scale"].to(torch.int32)), TypeError,
+     "down_scale must be float32 or bfloat16"),
+    ("fp16-weight", replace("gate_proj", lambda kw: torch.zeros(3, 32, 64, dtype=torch.float16)), TypeError,
+     "gate_proj must have the dtype of hidden_states \\(Float\\) or be quantized"),
+]
+
+
+@pytest.mark.parametrize("case", BAD, ids=[c[0] for c in BAD])
+@pytest.mark.parametrize("fake", [False, True], ids=["eager", "fake"])
+def test_bad_quantized_input_raises(case, fake):
+    _, mutate, exc, match = case
+    kwargs = int4_inputs()
+    mutate(kwargs)
+    if case[0] == "scale-for-dense":
+        kwargs["up_scale"] = kwargs["down_scale"] = None
+        kwargs["up_proj"] = torch.zeros(3, 32, 64)
+        kwargs["down_proj"] = torch.zeros(3, 64, 32)
+    if fake:
+        with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(exc, match=match):
+            kt_ops.moe(**kwargs)
+    else:
+        with pytest.raises(exc, match=match):
+            kt_ops.moe(**kwargs)
+
+
+def test_fp8_scale_shape_is_checked():
+    kwargs = quantized_inputs("fp8", None, T_shape=(4,), H=200, I=130, E=2, K=1, dtype=f32, seed=15)
+    kwargs["gate_scale"] = torch.ones(2, 1, 2)
+    with pytest.raises(ValueError, match=r"gate_scale must have shape \[E, ceil\(out/128\), ceil\(in/128\)\] = \[2, 2, 2\]"):
+        kt_ops.moe(**kwargs)
+
+
+@pytest.mark.parametrize("what", ["weight", "scale"])
+def test_quantized_weights_cannot_require_grad(what):
+    kwargs = quantized_inputs("fp8", None, T_shape=(4,), H=128, I=64, E=2, K=1, dtype=f32, seed=16)
+    kwargs["gate_proj" if what == "weight" else "gate_scale"].requires_grad_(True)
+    kwargs["hidden_states"].requires_grad_(True)
+    with pytest.raises(ValueError, match="gate_proj is quantized .* cannot require grad"):
+        kt_ops.moe(**kwargs)
+
+
+def test_backward_refuses_a_quantized_weight_gradient():
+    kwargs = int4_inputs()
+    args = [kwargs.get(n) for n in ("hidden_states", "topk_ids", "topk_weights", *BASE, "gate_lora_a", "gate_lora_b",
+                                    "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")]
+    scales = [kwargs[s] for s in SCALES]
+    _, act = torch.ops.kt.moe_forward(*args, kwargs["lora_scale"], True, *scales)
+    mask = [True, True, False, True, False] + [True] * 6
+    with pytest.raises(ValueError, match=r"output_mask\[3\] asks for the gradient of up_proj, which is quantized \(int4\)"):
+        torch.ops.kt.moe_backward(torch.ones_like(args[0]), *args[:3], act, *args[3:], kwargs["lora_scale"], mask,
+                                  *scales)
+
+
+# ---- opcheck ------------------------------------------------------------------------------------
+
+OPCHECK_UTILS = ("test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def positional_with_scales(kwargs):
+    names = ("hidden_states", "topk_ids", "topk_weights", *BASE, "gate_lora_a", "gate_lora_b", "up_lora_a",
+             "up_lora_b", "down_lora_a", "down_lora_b")
+    return tuple(kwargs.get(n) for n in names) + (float(kwargs.get("lora_scale", 1.0)),), tuple(kwargs[s] for s in SCALES)
+
+
+@pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 32)], ids=["fp8", "int8", "int4"])
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=["fp32", "bf16"])
+def test_opcheck(fmt, group, dtype):
+    """opcheck (schema, autograd registration, fake kernels, AOTAutograd with dynamic shapes)
+    on kt.moe, kt.moe_forward and kt.moe_backward with quantized experts and LoRA."""
+    kwargs = quantized_inputs(fmt, group, T_shape=(6,), H=128, I=64, E=3, K=2, r=2, dtype=dtype, mode="lora", seed=17)
+    args, scales = positional_with_scales(kwargs)
+    # test_schema's mutation check compares every input before and after the call with
+    # arithmetic that torch does not implement for float8 tensors ("mul_cpu_reduced_float" not
+    # implemented for 'Float8_e4m3fn'); the schema is the same for every format and int8 / int4
+    # run it.
+    utils = OPCHECK_UTILS if fmt != "fp8" else tuple(u for u in OPCHECK_UTILS if u != "test_schema")
+    torch.library.opcheck(torch.ops.kt.moe, args + scales, test_utils=utils)
+    detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
+    torch.library.opcheck(torch.ops.kt.moe_forward, detached + (True,) + scales, test_utils=utils)
+    _, act = torch.ops.kt.moe_forward(*detached, True, *scales)
+    mask = [True, True, False, False, False] + [True] * 6
+    grad_out = torch.randn(detached[0].shape).to(dtype)
+    torch.library.opcheck(torch.ops.kt.moe_backward, (grad_out, *detached[:3], act, *detached[3:], mask) + scales,
+                          test_utils=utils)
