@@ -121,17 +121,44 @@ def test_dequantize_kernel_equals_the_python_dequantize_on_every_byte(isa, fmt, 
         assert got.isnan().any()  # the NaN codes were decoded as NaN
 
 
+# Every format on 384 columns; fp8 and int8 also on 139 (int4 rows are whole groups).
+GEMV_SHAPES = [(f, g, 384) for f, g in FORMATS] + [("fp8", None, 139), ("int8", None, 139)]
+
+
 @pytest.mark.parametrize("isa", ALL_ISAS)
-@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("fmt,group,cols", GEMV_SHAPES, ids=[f"{i}-cols{c}" for i, (_, _, c) in
+                                                             zip(FORMAT_IDS + ["fp8", "int8"], GEMV_SHAPES)])
 @pytest.mark.parametrize("dtype", [f32, bf16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("rows", [1, 3, 4])
-def test_decode_gemv_matches_float64(isa, fmt, group, dtype, rows):
-    w = randn(1, 72, 384, seed=4) * 0.05
-    data, scale = quantization.quantize(w, fmt, group)
-    x = randn(rows, 384, seed=5, dtype=dtype)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_decode_gemv_matches_float64(isa, fmt, group, cols, dtype, rows):
+    """The decode GEMV of each path against float64 and against the reference loop: every x
+    row count the kernels specialise (and 5: two passes); 139 columns (fp8, int8) end in a
+    partial 128-column block and a tail shorter than a vector step."""
+    w = randn(1, 72, cols, seed=4) * 0.05
+    data, scale = quantization.quantize(w, fmt, group, scale_dtype=bf16 if rows % 2 else f32)
+    x = randn(rows, cols, seed=5, dtype=dtype)
     got = torch.ops.kt._quant_gemv_nt(x, data[0], scale[0], isa)
     want = x.double() @ quantization.dequantize(data, scale)[0].double().t()
     assert got.dtype == dtype and rel_err(got, want) < TOLERANCE[dtype]
+    reference = torch.ops.kt._quant_gemv_nt(x, data[0], scale[0], "portable")
+    torch.testing.assert_close(got.float(), reference.float(), rtol=1e-5 if dtype == f32 else 1e-2, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_decode_gemv_propagates_fp8_nan_codes(isa):
+    """A NaN code in an fp8 weight (0x7f or 0xff: never written by quantize, possible in a
+    checkpoint) makes exactly the outputs of its row NaN, as in the dequantized product."""
+    data, scale = quantization.quantize(randn(1, 40, 256, seed=6) * 0.05, "fp8")
+    raw = data.view(torch.uint8)
+    raw[0, 7, 100] = 0x7F
+    raw[0, 30, 3] = 0xFF
+    x = randn(3, 256, seed=7)
+    got = torch.ops.kt._quant_gemv_nt(x, data[0], scale[0], isa)
+    nan_rows = got.isnan().any(0).nonzero().flatten().tolist()
+    assert nan_rows == [7, 30] and got.isnan()[:, [7, 30]].all()
+    want = x.double() @ quantization.dequantize(data, scale)[0].double().t()
+    finite = [r for r in range(40) if r not in (7, 30)]
+    assert rel_err(got[:, finite], want[:, finite]) < 1e-5
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)

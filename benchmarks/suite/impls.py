@@ -1,5 +1,6 @@
-"""The timed implementations: kt.moe in bf16 and in float32, the eager baselines (sorted-mm,
-grouped-mm, hf-loop) and kt-kernel. Each is a ``common.Impl`` (step, reset, grads) with a
+"""The timed implementations: kt.moe in bf16 and in float32, kt.moe on quantized experts (fp8,
+int8, int4 with bf16 activations), the eager baselines (sorted-mm, grouped-mm, hf-loop) and
+kt-kernel. Each is a ``common.Impl`` (step, reset, grads) with a
 ``.close()`` that frees what it holds."""
 from typing import Callable, Dict
 
@@ -7,12 +8,16 @@ import torch
 
 import kt_ops
 from benchmarks.baselines import GroupedMMMoE, HFLoopMoE, SortedMoE
-from benchmarks.common import BASE, LORA, Impl, make_step, mark_updated_in_place
+from benchmarks.common import BASE, LORA, Impl, Unavailable, make_step, mark_updated_in_place
+from kt_ops import quantization
 from benchmarks.suite.kt_kernel import build_kt_kernel
 
-IMPLS = ("kt.moe", "kt.moe-fp32", "sorted-mm", "grouped-mm", "hf-loop", "kt-kernel")
+IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "sorted-mm", "grouped-mm", "hf-loop",
+         "kt-kernel")
 REFERENCE = "sorted-mm"  # the correctness reference of every other implementation
 KT_MOE_DTYPES = {"kt.moe": torch.bfloat16, "kt.moe-fp32": torch.float32}
+# kt.moe on the problem's weights quantized (kt_ops.quantization; int4 in groups of 32).
+KT_MOE_FORMATS = {"kt.moe-fp8": ("fp8", None), "kt.moe-int8": ("int8", None), "kt.moe-int4": ("int4", 32)}
 
 
 def _trained(mode: str) -> tuple:
@@ -26,6 +31,8 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
     ``common.Unavailable`` where it cannot run."""
     if name in KT_MOE_DTYPES:
         return _build_kt_moe(name, mode, prob, cfg)
+    if name in KT_MOE_FORMATS:
+        return _build_kt_quantized(name, mode, prob, cfg)
     if name in ("sorted-mm", "grouped-mm"):
         return _build_sorted(name, mode, prob, cfg)
     if name == "hf-loop":
@@ -65,6 +72,40 @@ def _build_kt_moe(name: str, mode: str, prob, cfg) -> Impl:
     # The packed copies must not outlive the impl. Only bf16 weights are packed, and releasing
     # from the fp32 impl would also drop the bf16 impl's copies in the middle of its timing.
     impl.close = kt_ops.release_packed_weights if dtype == torch.bfloat16 else (lambda: None)
+    return impl
+
+
+def _build_kt_quantized(name: str, mode: str, prob, cfg) -> Impl:
+    """kt.moe with bf16 activations and LoRA on the problem's base weights quantized (once per
+    problem, kept in ``prob``); its errors against the bf16 reference include the weights'
+    quantization error. Frozen: no full mode."""
+    if mode == "full":
+        raise Unavailable("quantized experts are frozen (no base-weight gradients): fwd and lora only")
+    fmt, group = KT_MOE_FORMATS[name]
+    key = f"quantized-{fmt}"
+    if key not in prob:
+        prob[key] = {n: quantization.quantize(prob[n], fmt, group, name=n) for n in BASE}
+    weights = prob[key]
+    use_lora = mode == "lora"
+    x = prob["hidden"].detach().requires_grad_(use_lora)
+    lora = [prob[n].detach().requires_grad_(True) for n in LORA] if use_lora else [None] * 6
+    ids, w = prob["topk_ids"], prob["topk_weights"]
+
+    def forward():
+        return kt_ops.moe(x, ids, w, *(weights[n][0] for n in BASE), *lora, cfg.lora_scale,
+                          *(weights[n][1] for n in BASE))
+
+    def reset():
+        x.grad = None
+        for t in lora:
+            if t is not None:
+                t.grad = None
+
+    def grads():
+        return {"hidden": x.grad, **{n: t.grad for n, t in zip(LORA, lora) if use_lora}}
+
+    impl = Impl(name, make_step(forward, use_lora, prob["dy"]), reset, grads)
+    impl.close = lambda: None  # the quantized weights stay in prob for the other modes
     return impl
 
 

@@ -6,7 +6,7 @@ from typing import List
 
 from benchmarks import common
 from benchmarks.suite.ceilings import CEILING, CEILING_FP32
-from benchmarks.suite.impls import IMPLS
+from benchmarks.suite.impls import IMPLS, KT_MOE_FORMATS
 from benchmarks.suite.kt_kernel import KT_KERNEL_VERSION
 
 DETAIL_COLUMNS = [("case", "case"), ("mode", "mode"), ("impl", "impl"), ("ms", "median ms"),
@@ -21,6 +21,9 @@ SUMMARY_COLUMNS = [("case", "case"), ("mode", "mode"), ("tok_s", "kt tokens/s"),
                    ("vs_grouped-mm", "vs grouped-mm"), ("vs_hf-loop", "vs hf-loop"),
                    ("vs_kt-kernel", "vs kt-kernel"), ("x_stream", "x stream"),
                    ("step_mib", "step MiB"), ("out_err", "out err"), ("grad_err", "grad err")]
+QUANTIZED_COLUMNS = [("case", "case"), ("mode", "mode"), ("impl", "experts"), ("tok_s", "tokens/s"),
+                     ("x_bf16", "x bf16 speed"), ("x_stream", "x stream"), ("out_err", "out err"),
+                     ("grad_err", "grad err")]
 TEXT_KEYS = {"case", "mode", "impl"}
 
 
@@ -38,7 +41,7 @@ def fmt(key: str, v) -> str:
         return f"{v:.1f}" if v >= 1 else f"{v:.3f}"
     if key in ("pct_ceiling", "pct_ceiling_fp32"):
         return f"{v:.0f}%"
-    if key == "x_stream" or key.startswith("vs_"):
+    if key in ("x_stream", "x_bf16") or key.startswith("vs_"):
         return f"{v:.2f}x"
     if key in ("step_mib", "state_mib"):
         return f"{round(v, 1) + 0.0:.1f}"  # no "-0.0"
@@ -141,15 +144,36 @@ def summary_rows(rows: List[dict]) -> List[dict]:
     return out
 
 
+def quantized_rows(rows: List[dict]) -> List[dict]:
+    """One row per (case, mode, quantized format) that ran: its tokens/s, ``x_bf16`` = kt.moe
+    bf16's time / its time (> 1: the quantized experts are faster), and its errors (against the
+    bf16 reference on the unquantized weights: the quantization error included)."""
+    out = []
+    for r in rows:
+        if r["impl"] not in KT_MOE_FORMATS or r["status"] != "ok":
+            continue
+        kt = next(k for k in rows if k["case"] == r["case"] and k["mode"] == r["mode"] and k["impl"] == "kt.moe")
+        out.append(dict(case=r["case"], mode=r["mode"], impl=r["impl"], tok_s=r["tok_s"], x_bf16=kt["ms"] / r["ms"],
+                        x_stream=r["x_stream"], out_err=r["out_err"], grad_err=r["grad_err"]))
+    return out
+
+
 def print_tables(rows: List[dict], args, meta: dict, notes: List[str]) -> dict:
     detail = detail_rows(rows)
     summary = summary_rows(rows)
+    quantized = quantized_rows(rows)
+    right_q = {k for k, _ in QUANTIZED_COLUMNS if k not in TEXT_KEYS}
     right_d = {k for k, _ in DETAIL_COLUMNS if k not in TEXT_KEYS}
     right_s = {k for k, _ in SUMMARY_COLUMNS if k not in TEXT_KEYS}
     print()
     print("Summary (kt.moe; vs X = X's time / kt.moe's time, > 1 means kt.moe is faster):")
     print()
     print(common.text_table(summary, SUMMARY_COLUMNS, right_s, fmt))
+    if quantized:
+        print()
+        print("Quantized experts (bf16 activations; x bf16 speed = kt.moe bf16's time / this one's):")
+        print()
+        print(common.text_table(quantized, QUANTIZED_COLUMNS, right_q, fmt))
     print()
     print("All implementations:")
     print()
@@ -172,13 +196,16 @@ def print_tables(rows: List[dict], args, meta: dict, notes: List[str]) -> dict:
           f"errors vs sorted-mm (bf16).")
     print()
     print(common.markdown_table(summary, SUMMARY_COLUMNS, right_s, fmt))
+    if quantized:
+        print()
+        print(common.markdown_table(quantized, QUANTIZED_COLUMNS, right_q, fmt))
     print()
     print(common.markdown_table(detail, DETAIL_COLUMNS, right_d, fmt))
     if notes:
         print()
         for n in notes:
             print(f"- {n}")
-    return dict(summary=summary)
+    return dict(summary=summary, quantized=quantized)
 
 
 def write_json(path: str, meta: dict, cases: List[dict], rows: List[dict], notes: List[str],
