@@ -11,7 +11,8 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_suite_smoke_run_reports_every_mode_with_small_errors(tmp_path):
     out = tmp_path / "suite.json"
     subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--cases", "tiny-t1", "--repeats", "1",
-                    "--warmup", "0", "--memory", "off", "--impls", "kt.moe,kt.moe-fp32,sorted-mm",
+                    "--warmup", "0", "--memory", "off",
+                    "--impls", "kt.moe,kt.moe-fp32,kt.moe-fp8,kt.moe-int8,kt.moe-int4,sorted-mm",
                     "--json", str(out)],
                    cwd=REPO, check=True, timeout=300, capture_output=True)
     report = json.loads(out.read_text())
@@ -28,6 +29,16 @@ def test_suite_smoke_run_reports_every_mode_with_small_errors(tmp_path):
         # the bf16 ceiling only where bf16 GEMMs are oneDNN's (see ceilings.timed_ceilings)
         native = report["meta"]["base_gemm_path"] == "onednn_bf16"
         assert ((mode, "mm-ceiling") in rows) == native
+        # quantized experts: the error is the weights' quantization (int4 in groups of 32 the most)
+        for impl, max_err in (("kt.moe-fp8", 0.1), ("kt.moe-int8", 0.05), ("kt.moe-int4", 0.3)):
+            r = rows[(mode, impl)]
+            if mode == "full":
+                assert r["status"].startswith("n/a: quantized experts are frozen"), r
+            else:
+                assert r["status"] == "ok" and r["tok_s"] > 0 and r["out_err"] < max_err, r
+    assert {(q["mode"], q["impl"]) for q in report["quantized"]} == {
+        (m, f"kt.moe-{f}") for m in ("fwd", "lora") for f in ("fp8", "int8", "int4")}
+    assert all(q["x_bf16"] > 0 for q in report["quantized"])
     for s in report["summary"]:
         assert s["vs_kt.moe-fp32"] > 0 and s["pct_ceiling_fp32"] > 0 and s["ceiling_fp32"] > 0, s
     meta = report["meta"]
@@ -58,3 +69,10 @@ def test_buffer_reuse_runs_every_mode():
                               "--topk", "2", "--rank", "2", "--repeats", "1"])
     assert [r[0] for r in rows] == ["full", "lora"]
     assert all(reused > 0 and fresh > 0 for _, reused, fresh in rows)
+
+
+def test_quant_gemv_times_every_format_from_memory_and_cache():
+    from benchmarks import quant_gemv
+    rows = quant_gemv.main(["--hidden", "128", "--intermediate", "32", "--experts", "3", "--repeats", "1"])
+    assert [r["kernel"] for r in rows] == ["bf16", "fp8", "int8", "int4"]
+    assert all(float(r[k]) > 0 for r in rows for k in ("memory_ms", "cache_ms", "memory_gw", "cache_gw"))

@@ -28,6 +28,9 @@ MODES = {
     "full": dict(lora_rank=0, train_base=True),
     "lora": dict(lora_rank=4, lora_alpha=8.0, train_base=False),
     "hybrid": dict(lora_rank=4, lora_alpha=8.0, train_base=True),
+    # Quantized frozen experts: only the owner holds them (and their scales).
+    "lora-fp8": dict(lora_rank=4, lora_alpha=8.0, expert_format="fp8"),
+    "lora-int8": dict(lora_rank=4, lora_alpha=8.0, expert_format="int8"),
 }
 
 
@@ -130,7 +133,7 @@ def _run_and_check(world_size, mode, owner_rank, seq_lens, backend, monkeypatch,
     check_against_reference(results, mode, owner_rank, seq_lens, seed, monkeypatch)
 
 
-@pytest.mark.parametrize("mode", ["full", "lora", "hybrid"])
+@pytest.mark.parametrize("mode", ["full", "lora", "hybrid", "lora-fp8", "lora-int8"])
 def test_eager_two_ranks(mode, monkeypatch):
     """Eager, 2 ranks, owner 0, in each training mode: outputs and the gradients of hidden
     states, router and experts equal the reference; a rank with 0 tokens (also the owner, and

@@ -212,7 +212,8 @@ def write_json(path: str, meta: dict, cases: List[dict], rows: List[dict], notes
                finished: bool) -> None:
     """Write the whole run to ``path`` (atomically: a temporary file, then a rename)."""
     doc = dict(meta=meta, finished=finished, cases=cases, rows=rows,
-               summary=summary_rows(rows) if rows else [], notes=notes)
+               summary=summary_rows(rows) if rows else [], quantized=quantized_rows(rows) if rows else [],
+               notes=notes)
     d = os.path.dirname(os.path.abspath(path))
     os.makedirs(d, exist_ok=True)
     tmp = path + ".tmp"

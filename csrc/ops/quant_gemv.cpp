@@ -213,37 +213,66 @@ KT_TARGET_AVX2 void gemv_fp8(const float* x, const WeightMatrix& w, float* out) 
   }
 }
 
-template <int M>
-KT_TARGET_AVX2 void gemv_int4(const float* x_in, const WeightMatrix& w, float* out) {
+// One int4 group of G columns (its bytes at p, its scale s): the group's sum in two chains per
+// x row, times s, added to chain J of each row's total.
+template <int M, int C, int G, int J>
+KT_TARGET_AVX2 inline void int4_group(const float* x, int64_t K, const uint8_t* p, __m256 s, __m256i table_hi,
+                                      __m256i table_lo, __m256 (&total)[M][C]) {
+  __m256 part[M][2];
+  KT_UNROLL for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm256_setzero_ps();
+  KT_UNROLL for (int c = 0; c < G; c += 32) {
+    __m256 v[4];
+    decode_int4x32(p + c / 2, table_hi, table_lo, v);
+    KT_UNROLL for (int q = 0; q < 4; ++q)
+      KT_UNROLL for (int m = 0; m < M; ++m)
+        part[m][q % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * q), v[q], part[m][q % 2]);
+  }
+  KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm256_fmadd_ps(s, _mm256_add_ps(part[m][0], part[m][1]), total[m][J]);
+}
+
+template <bool Bf16>
+inline float load_scale(const void* scales, int64_t i) {
+  if constexpr (Bf16) {
+    return simd::bf16_to_float(static_cast<const uint16_t*>(scales)[i]);
+  } else {
+    return static_cast<const float*>(scales)[i];
+  }
+}
+
+// Groups of G columns, scales of dtype bf16 (Bf16) or float32: both compile-time, so that a
+// group is straight-line code. Group gi goes to chain gi % C, unrolled by C so that the totals
+// stay in registers.
+template <int M, int G, bool Bf16>
+KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const WeightMatrix& w, float* out) {
   constexpr int C = kChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = w.scale.size(1), g = w.group;
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  const __m256i table_hi = int4_bf16_table(true), table_lo = int4_bf16_table(false);
-  const std::vector<float> x_permuted = int4_permuted_x(x_in, M, K);
-  const float* x = x_permuted.data();
-  const bool bf16_scales = w.scale.scalar_type() == at::kBFloat16;
   const void* scales = w.scale.const_data_ptr();
+  const __m256i table_hi = int4_bf16_table(true), table_lo = int4_bf16_table(false);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
+    const int64_t s0 = r * groups;
     __m256 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm256_setzero_ps();
-    for (int64_t gi = 0; gi < groups; ++gi) {
-      const int64_t i = r * groups + gi;
-      const __m256 sv = _mm256_set1_ps(bf16_scales ? simd::bf16_to_float(static_cast<const uint16_t*>(scales)[i])
-                                                   : static_cast<const float*>(scales)[i]);
-      // The group's sum in two chains per x row, scaled into chain gi % C of the row's total
-      // (groups overlap in the out-of-order window, so no chain is long).
-      __m256 part[M][2];
-      KT_UNROLL for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm256_setzero_ps();
-      for (int64_t c = gi * g; c < (gi + 1) * g; c += 32) {
-        __m256 v[4];
-        decode_int4x32(row + c / 2, table_hi, table_lo, v);
-        KT_UNROLL for (int q = 0; q < 4; ++q)
-          KT_UNROLL for (int m = 0; m < M; ++m)
-            part[m][q % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * q), v[q], part[m][q % 2]);
+    int64_t gi = 0;
+    for (; gi + C <= groups; gi += C) {
+      const float* xg = x + gi * G;
+      const uint8_t* pg = row + gi * (G / 2);
+      int4_group<M, C, G, 0>(xg, K, pg, _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi)), table_hi, table_lo, total);
+      if constexpr (C > 1) {
+        int4_group<M, C, G, (C > 1)>(xg + G, K, pg + G / 2, _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi + 1)),
+                                     table_hi, table_lo, total);
       }
-      KT_UNROLL for (int m = 0; m < M; ++m)
-        total[m][gi % C] = _mm256_fmadd_ps(sv, _mm256_add_ps(part[m][0], part[m][1]), total[m][gi % C]);
+      if constexpr (C > 2) {
+        int4_group<M, C, G, 2 * (C > 2)>(xg + 2 * G, K, pg + G, _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi + 2)),
+                                         table_hi, table_lo, total);
+        int4_group<M, C, G, 3 * (C > 2)>(xg + 3 * G, K, pg + 3 * G / 2,
+                                         _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi + 3)), table_hi, table_lo, total);
+      }
+    }
+    for (; gi < groups; ++gi) {
+      int4_group<M, C, G, 0>(x + gi * G, K, row + gi * (G / 2), _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi)),
+                             table_hi, table_lo, total);
     }
     __m256 sum[M];
     float tail[M] = {};
@@ -252,6 +281,18 @@ KT_TARGET_AVX2 void gemv_int4(const float* x_in, const WeightMatrix& w, float* o
       KT_UNROLL for (int j = 1; j < C; ++j) sum[m] = _mm256_add_ps(sum[m], total[m][j]);
     }
     store_row<M>(sum, tail, out, R, r);
+  }
+}
+
+template <int M>
+void gemv_int4(const float* x_in, const WeightMatrix& w, float* out) {
+  const std::vector<float> x_permuted = int4_permuted_x(x_in, M, w.cols);
+  const float* x = x_permuted.data();
+  const bool bf16 = w.scale.scalar_type() == at::kBFloat16;
+  switch (w.group) {
+    case 32: return bf16 ? gemv_int4_groups<M, 32, true>(x, w, out) : gemv_int4_groups<M, 32, false>(x, w, out);
+    case 64: return bf16 ? gemv_int4_groups<M, 64, true>(x, w, out) : gemv_int4_groups<M, 64, false>(x, w, out);
+    default: return bf16 ? gemv_int4_groups<M, 128, true>(x, w, out) : gemv_int4_groups<M, 128, false>(x, w, out);
   }
 }
 

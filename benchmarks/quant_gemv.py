@@ -1,0 +1,72 @@
+"""Decode GEMV on one thread: a Qwen3-30B-A3B expert gate weight in bf16 (kt's thin_gemm_nt)
+against the same weight quantized (fp8, int8, int4; kt's quant_gemv_nt), each from memory (the
+next expert's weight every call, a stack far larger than the L3) and from cache (one expert
+over and over). What it shows: whether the quantized GEMVs are bound by the bytes they read or
+by the instructions that decode them.
+
+    .venv/bin/python -m benchmarks.quant_gemv
+
+All kernels alternate pass by pass; best of --repeats passes. G weights/s = weights / time.
+"""
+import argparse
+import time
+
+import torch
+
+import kt_ops
+from benchmarks.common import cpu_model, text_table
+from kt_ops import quantization
+
+FORMATS = (("fp8", None), ("int8", None), ("int4", 32))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=32)
+    p.add_argument("--rows", type=int, default=1, help="decode rows (x rows), 1-4")
+    p.add_argument("--repeats", type=int, default=20)
+    args = p.parse_args(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        gen = torch.Generator().manual_seed(0)
+        w = torch.randn(args.experts, args.intermediate, args.hidden, generator=gen).to(torch.bfloat16)
+        x = torch.randn(args.rows, args.hidden, generator=gen).to(torch.bfloat16)
+        isa = kt_ops.cpu_isa()
+        kernels = {"bf16": lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa)}
+        for fmt, group in FORMATS:
+            data, scale = quantization.quantize(w, fmt, group)
+            kernels[fmt] = (lambda d, s: lambda e: torch.ops.kt._quant_gemv_nt(x, d[e], s[e], isa))(data, scale)
+        best = {(k, where): float("inf") for k in kernels for where in ("memory", "cache")}
+        for _ in range(args.repeats):
+            for k, fn in kernels.items():
+                for where, experts in (("memory", range(args.experts)), ("cache", [0] * args.experts)):
+                    t0 = time.perf_counter()
+                    for e in experts:
+                        fn(e)
+                    best[(k, where)] = min(best[(k, where)], (time.perf_counter() - t0) / args.experts)
+        n = args.intermediate * args.hidden
+        rows = []
+        for k in kernels:
+            row = {"kernel": k}
+            for where in ("memory", "cache"):
+                t = best[(k, where)]
+                row[f"{where}_ms"] = f"{t * 1e3:.3f}"
+                row[f"{where}_gw"] = f"{n / t / 1e9:.2f}"
+                row[f"{where}_x"] = f"{best[('bf16', where)] / t:.2f}x"
+            rows.append(row)
+        print(f"one thread, {args.rows} decode row(s), weight [{args.intermediate}, {args.hidden}], "
+              f"{args.experts} experts, kt_ops path {isa}, CPU {cpu_model()}")
+        cols = [("kernel", "kernel"), ("memory_ms", "from memory ms"), ("memory_gw", "G weights/s"),
+                ("memory_x", "x bf16"), ("cache_ms", "from cache ms"), ("cache_gw", "G weights/s"),
+                ("cache_x", "x bf16")]
+        print(text_table(rows, cols, {c for c, _ in cols if c != "kernel"}, lambda key, v: v))
+        return rows
+    finally:
+        torch.set_num_threads(threads_before)
+
+
+if __name__ == "__main__":
+    main()
