@@ -42,6 +42,11 @@ Implementations (``--impls`` to pick):
                  are marked updated in place like the bf16 ones). It shows what bf16 buys over
                  fp32 on this machine (``vs kt fp32``); its errors are against the same bf16
                  reference, so they measure the reference's bf16 rounding (a few 1e-3);
+* ``kt.moe-fp8``, ``kt.moe-int8``, ``kt.moe-int4`` the same op, bf16 activations and LoRA, on
+                 the problem's base weights quantized once (``kt_ops.quantization``; int4 in
+                 groups of 32), fwd and lora modes only (quantized experts are frozen). Their
+                 errors include the weights' quantization error; the "Quantized experts" table
+                 gives ``x bf16 speed`` = kt.moe's time / theirs;
 * ``sorted-mm``  well-written eager PyTorch (``benchmarks.baselines.SortedMoE``): sort the pairs
                  by expert, ``index_select`` the hidden states once, ``split``, one fused
                  gate|up ``mm`` per expert on a fused ``[E, 2I, H]`` copy, SwiGLU, down ``mm``,
