@@ -19,10 +19,12 @@ from kt_ops.buffer_cache import cached_buffers_info, release_cached_buffers
 from kt_ops.checkpoint import checkpoint, checkpoint_context_fn
 from kt_ops.collectives import gather_to_owner, scatter_from_owner
 from kt_ops.layer import KTMoE
+from kt_ops.distributed import expert_parameter_names, expert_parameters, prepare_ddp
 from kt_ops.moe import moe
 from kt_ops.hf import load_adapter, patch_model, save_adapter  # transformers/peft imported lazily
 
 __all__ = ["moe", "KTMoE", "gather_to_owner", "scatter_from_owner", "checkpoint", "checkpoint_context_fn",
            "patch_model", "save_adapter", "load_adapter", "cpu_isa", "set_cpu_isa", "use_cpu_isa",
            "set_weight_packing", "weight_packing_enabled", "packed_weights_info",
-           "release_packed_weights", "cached_buffers_info", "release_cached_buffers"]
+           "release_packed_weights", "cached_buffers_info", "release_cached_buffers", "prepare_ddp",
+           "expert_parameters", "expert_parameter_names"]

@@ -101,6 +101,12 @@ class KTMoE(nn.Module):
         self.process_group = process_group
         self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
 
+        # Every rank, owner or not, holds the same 0-element parameter, requiring grad when the
+        # experts train, and adds it (as 0) to the layer's output. It keeps a rank whose own
+        # parameters are all frozen in the backward that the owner's experts need (its output
+        # requires grad), and gives DDP the same parameter set on every rank once the owner-only
+        # expert tensors are ignored (kt_ops.distributed). It holds no memory and never changes.
+        self.grad_anchor = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=bool(lora_rank or train_base))
         # The router: x [T, H] -> (topk_weights [T, K], topk_ids [T, K]). Model integrations
         # (kt_ops.hf) pass the architecture's own router so that routing is reproduced exactly.
         self.gate = router if router is not None else SoftmaxTopKRouter(
@@ -201,8 +207,10 @@ class KTMoE(nn.Module):
         """``.to()`` / ``.cuda()`` / ``.bfloat16()`` move the router, never the experts: they
         stay in CPU memory (a dtype change still applies to them). The target dtype is read
         off an empty probe tensor, so no expert-sized copy is ever made on the device."""
-        experts = dict(self._parameters)
-        self._parameters.clear()
+        # The experts stay where they are (the 0-element grad anchor moves like any parameter).
+        experts = {k: v for k, v in self._parameters.items() if k != "grad_anchor"}
+        for k in experts:
+            del self._parameters[k]
         frozen_format = set(_BASE_NAMES + _SCALE_NAMES) if self.expert_format is not None else set()
         try:
             super()._apply(fn, recurse)
@@ -242,19 +250,21 @@ class KTMoE(nn.Module):
         """The experts part alone, for routing computed elsewhere: x [T, H], topk_ids and
         topk_weights [T, K] on this rank -> [T, H] (gathered to the owner and back)."""
         ids, weights = topk_ids, topk_weights
+        anchor = self.grad_anchor.sum()  # 0, requiring grad when the experts train (see __init__)
         if self.world_size == 1:
-            return self._experts(x, ids, weights)
+            return self._experts(x, ids, weights) + anchor.to(x.dtype)
 
         if (torch.is_grad_enabled() and (self.lora_rank or self.train_base)
-                and not (x.requires_grad or weights.requires_grad)):
+                and not (x.requires_grad or weights.requires_grad or self.grad_anchor.requires_grad)):
             # The owner's experts train, so its backward needs every rank's output gradients,
-            # but nothing on this rank would run backward through this layer: the owner would
-            # wait for this rank forever. (Same condition, same error, on every rank.)
+            # but nothing on this rank would run backward through this layer (the grad anchor
+            # was frozen too): the owner would wait for this rank forever. (Same condition, same
+            # error, on every rank.)
             raise RuntimeError(
                 f"KTMoE (layer {self.layer_id}, rank {self.rank}): the experts are trainable but neither "
-                "hidden_states nor the routing weights require grad here, so this rank would not run "
-                "the backward the owner's experts need. Train something before the layer (e.g. the "
-                "router), or make its input require grad (hidden_states.requires_grad_()).")
+                "hidden_states, the routing weights nor the layer's grad_anchor require grad here, so this "
+                "rank would not run the backward the owner's experts need. Leave grad_anchor trainable "
+                "(it is a 0-element parameter), or make the layer's input require grad.")
         args = (self.rank, self.world_size, self.owner_rank, self.layer_id, self._group_name())
         (x_all, ids_all, weights_all), lengths = torch.ops.kt.gather_to_owner([x, ids, weights], *args)
         if self.is_owner:
@@ -263,12 +273,12 @@ class KTMoE(nn.Module):
             w = float(self.world_size)
             x_all = torch.ops.kt.scale_grad(x_all, w)
             weights_all = torch.ops.kt.scale_grad(weights_all, w)
-            out_all = torch.ops.kt.scale_grad(self._experts(x_all, ids_all, weights_all), 1.0 / w)
+            out_all = torch.ops.kt.scale_grad(self._experts(x_all, ids_all, weights_all), 1.0 / w) + anchor.to(x.dtype)
         else:
-            # [0, H]: nothing to compute. Built from both gathered inputs (0 elements, so no
-            # arithmetic really happens) so that this rank's output needs a gradient, and
-            # this rank joins the backward collectives, whenever the owner's output does.
-            out_all = x_all + weights_all.sum(-1, keepdim=True).to(x_all.dtype)
+            # [0, H]: nothing to compute. Built from both gathered inputs and the grad anchor (0
+            # elements, so no arithmetic really happens) so that this rank's output needs a
+            # gradient, and this rank joins the backward collectives, whenever the owner's does.
+            out_all = x_all + weights_all.sum(-1, keepdim=True).to(x_all.dtype) + anchor.to(x_all.dtype)
         (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
         return out
 

@@ -93,12 +93,13 @@ def check_against_reference(results, mode, owner_rank, seq_lens, seed, monkeypat
     world_size = len(results)
     ref = make_layer(mode, 0, seed)
     assert ref.world_size == 1
-    expert_names = sorted(n for n, p in ref.named_parameters() if p.requires_grad and n != "gate.weight")
+    replicated = ("gate.weight", "grad_anchor")  # on every rank: the router and the 0-element grad anchor
+    expert_names = sorted(n for n, p in ref.named_parameters() if p.requires_grad and n not in replicated)
     for rank, res in enumerate(results):
         if rank == owner_rank:
             assert res["params"] == sorted(n for n, _ in ref.named_parameters())
-        else:  # a non-owner holds the router only
-            assert res["params"] == ["gate.weight"], f"rank {rank} holds {res['params']}"
+        else:  # a non-owner holds the router and the grad anchor only
+            assert res["params"] == ["gate.weight", "grad_anchor"], f"rank {rank} holds {res['params']}"
 
     for step, lens in enumerate(seq_lens):
         ref.zero_grad(set_to_none=True)
@@ -117,7 +118,7 @@ def check_against_reference(results, mode, owner_rank, seq_lens, seed, monkeypat
         router = sum(res["steps"][step]["grads"]["gate.weight"] for res in results) / world_size
         assert rel_err(router, ref.gate.weight.grad) <= TOL, f"router gradient, {where}"
         owner_grads = results[owner_rank]["steps"][step]["grads"]
-        assert sorted(n for n in owner_grads if n != "gate.weight") == expert_names
+        assert sorted(n for n in owner_grads if n not in replicated) == expert_names
         for name in expert_names:
             assert rel_err(owner_grads[name], dict(ref.named_parameters())[name].grad) <= TOL, \
                 f"gradient of {name} on the owner, {where}"

@@ -116,22 +116,34 @@ def test_out_of_step_raises_on_every_rank(case):
         assert "rank 0: kt." in res["message"] and "rank 1: kt." in res["message"], res["message"]
 
 
-def _frozen_input_worker(rank, world_size, train_router):
+def _frozen_input_worker(rank, world_size, train_router, train_anchor=True):
     from kt_ops.layer import KTMoE
 
     torch.manual_seed(0)
     layer = KTMoE(H, I, E, K, lora_rank=2, dtype=torch.float32)
     layer.gate.weight.requires_grad_(train_router)
+    layer.grad_anchor.requires_grad_(train_anchor)
     x = torch.randn(3 + rank, H)  # nothing before the layer trains
     outcome = _outcome(lambda: layer(x).sum().backward())
     grads = {n: p.grad is not None for n, p in layer.named_parameters()}
     return dict(outcome=outcome, grads=grads)
 
 
-def test_trainable_experts_with_nothing_to_backpropagate_raise_on_every_rank():
-    """LoRA experts train but no rank's input or router needs a gradient: the non-owner would
-    skip backward and leave the owner waiting; instead every rank raises, naming the fix."""
+def test_expert_lora_alone_trains_on_every_rank():
+    """Only the owner's expert LoRA trains (router and input frozen): the non-owner has nothing
+    of its own to train, yet its 0-element grad anchor makes its output require grad, so it runs
+    the backward collectives the owner waits for and the step completes on both ranks."""
     results = check_all_ok(run_ranks(_frozen_input_worker, 2, False, timeout_s=90))
+    assert not results[0]["outcome"]["raised"] and not results[1]["outcome"]["raised"], results
+    assert results[0]["grads"]["gate_lora_a"] and not results[0]["grads"]["gate.weight"]
+    assert results[1]["grads"] == {"gate.weight": False, "grad_anchor": True}
+
+
+def test_trainable_experts_with_nothing_to_backpropagate_raise_on_every_rank():
+    """LoRA experts train but no rank's input, router or grad anchor needs a gradient: the
+    non-owner would skip backward and leave the owner waiting; instead every rank raises,
+    naming the fix."""
+    results = check_all_ok(run_ranks(_frozen_input_worker, 2, False, False, timeout_s=90))
     for res in results:
         assert res["outcome"]["raised"] and "require grad" in res["outcome"]["message"], res
 
@@ -142,4 +154,4 @@ def test_trainable_router_alone_carries_every_rank_through_backward():
     results = check_all_ok(run_ranks(_frozen_input_worker, 2, True, timeout_s=90))
     assert not results[0]["outcome"]["raised"] and not results[1]["outcome"]["raised"], results
     assert results[0]["grads"]["gate_lora_a"] and results[0]["grads"]["gate.weight"]
-    assert results[1]["grads"] == {"gate.weight": True}
+    assert results[1]["grads"] == {"gate.weight": True, "grad_anchor": True}

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kt_ops import quantization
+from kt_ops.distributed import prepare_ddp
 from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts
 from kt_ops.layer import KTMoE
 from kt_ops.rank_discovery import discover_rank
@@ -132,6 +133,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
     register_kt_experts()
+    prepare_ddp(model)  # DistributedDataParallel(model) leaves the owner-only expert tensors alone
     return model
 
 
@@ -181,6 +183,9 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                     kt.set_quantized_weight(name, w)
             if lora_rank:
                 _init_lora(kt, cpu, lora_seed, on_meta)
+    # The grad anchor (KTMoE.__init__) lives with the model's other parameters, like the router.
+    kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=gate_up.dtype, device=gate_up.device),
+                                  requires_grad=bool(lora_rank or train_base))
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
     experts.down_proj = None
     kt.train(experts.training)

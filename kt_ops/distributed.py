@@ -1,0 +1,56 @@
+"""KT layers under PyTorch's own data-parallel engines (DDP, FSDP2).
+
+Only the owner rank holds a KT layer's expert tensors (base weights, their scales, LoRA), and
+their gradients already are the average over ranks (see :class:`kt_ops.KTMoE`), so the
+engines must leave them alone: DDP would find different parameter sets on different ranks,
+FSDP2 would issue collectives of different sizes. Everything else (router, attention, the
+0-element ``grad_anchor`` every KT layer holds on every rank) is an ordinary replicated
+parameter that the engine averages.
+
+* DDP: :func:`prepare_ddp` writes the owner-only names into ``_ddp_params_and_buffers_to_ignore``
+  of the module given to DDP (:func:`kt_ops.patch_model` does it for the model it patches), then
+  ``DistributedDataParallel(model)`` works unmodified.
+* FSDP2: ``fully_shard(module, ignored_params=kt_ops.expert_parameters(module))`` for each
+  module sharded (decoder layers and the root). The grad anchors are ignored there too: FSDP2
+  cannot shard a 0-element tensor (``_chunk_cat expects non-empty tensor``), and they need no
+  reduction (their gradient is empty); FSDP2, unlike DDP, does not refuse a rank with nothing
+  to shard.
+"""
+from __future__ import annotations
+
+from torch import nn
+
+_OWNER_ONLY = ("gate_proj", "up_proj", "down_proj", "gate_scale", "up_scale", "down_scale", "gate_lora_a",
+               "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
+
+
+def _kt_layers(model: nn.Module):
+    from kt_ops.layer import KTMoE
+    return [(name, m) for name, m in model.named_modules() if isinstance(m, KTMoE)]
+
+
+def expert_parameter_names(model: nn.Module) -> list[str]:
+    """Fully qualified names of this rank's owner-only expert tensors in ``model`` (none off
+    the owner rank), as ``model.named_parameters()`` spells them."""
+    names = []
+    for prefix, layer in _kt_layers(model):
+        for leaf in _OWNER_ONLY:
+            if isinstance(getattr(layer, leaf, None), nn.Parameter):
+                names.append(f"{prefix}.{leaf}" if prefix else leaf)
+    return names
+
+
+def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
+    """The parameters of the KT layers inside ``module`` that FSDP2 must not shard (its
+    ``ignored_params``): this rank's owner-only expert tensors and every layer's grad anchor."""
+    return {getattr(layer, leaf) for _, layer in _kt_layers(module) for leaf in _OWNER_ONLY + ("grad_anchor",)
+            if isinstance(getattr(layer, leaf, None), nn.Parameter)}
+
+
+def prepare_ddp(model: nn.Module) -> nn.Module:
+    """Mark the owner-only expert tensors of every KT layer in ``model`` as ignored by
+    ``DistributedDataParallel(model)`` (adds to ``model._ddp_params_and_buffers_to_ignore``).
+    Returns ``model``. Call it on the module you wrap, after the KT layers exist."""
+    ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(expert_parameter_names(model)))
+    return model

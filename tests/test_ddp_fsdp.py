@@ -1,0 +1,125 @@
+"""A patched transformers model under PyTorch's own engines on 2 gloo ranks: unmodified
+``DistributedDataParallel(model)`` and FSDP2 ``fully_shard`` on every decoder layer and the root
+(``ignored_params=kt_ops.expert_parameters(...)``), training the expert LoRA alone and the
+expert LoRA with replicated parameters (router, attention). Each gives, step by step, the
+per-rank losses and the trained parameters (fp32, SGD) of one process that averages the two
+ranks' losses. The non-owner holds no expert tensor; with the expert LoRA alone it has nothing
+of its own to train and still runs the backward the owner needs (its KT layers' grad anchors).
+"""
+import pytest
+import torch
+
+pytest.importorskip("transformers")
+
+from distributed_harness import check_all_ok, run_ranks  # noqa: E402
+
+STEPS, LR = 3, 0.5
+
+
+def build_model():
+    """The tiny Qwen3-MoE of test_quantized_layer (H=128, 8 experts, top-2), patched with rank-4
+    expert LoRA whose B factors are nonzero (so every LoRA tensor gets a gradient)."""
+    import kt_ops
+    from test_quantized_layer import tiny_qwen3_moe
+
+    model = kt_ops.patch_model(tiny_qwen3_moe(torch.float32), lora_rank=4, lora_alpha=8).train()
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("lora_b"):
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def set_trainable(model, trained):
+    """Everything frozen but the expert LoRA and the grad anchors, plus (``trained ==
+    "lora+replicated"``) the routers and the attention q_proj of every layer."""
+    for name, p in model.named_parameters():
+        replicated = name.endswith(("mlp.gate.weight", "self_attn.q_proj.weight"))
+        p.requires_grad_("lora" in name or name.endswith("grad_anchor")
+                         or (trained == "lora+replicated" and replicated))
+
+
+def batch(step, rank):
+    from test_quantized_layer import input_ids
+    return input_ids(seed=100 * step + rank)
+
+
+def trained_state(model):
+    state = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad and p.numel():
+            t = p.detach()
+            state[name] = (t.full_tensor() if hasattr(t, "full_tensor") else t).clone()
+    return state
+
+
+def _worker(rank, world_size, engine, trained):
+    import kt_ops
+
+    model = build_model()
+    set_trainable(model, trained)
+    if engine == "ddp":
+        net = torch.nn.parallel.DistributedDataParallel(model)  # patch_model marked the expert tensors
+    else:
+        from torch.distributed.fsdp import fully_shard
+        for layer in model.model.layers:
+            fully_shard(layer, ignored_params=kt_ops.expert_parameters(layer))
+        fully_shard(model, ignored_params=kt_ops.expert_parameters(model))
+        net = model
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        ids = batch(step, rank)
+        loss = net(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    expert_names = kt_ops.expert_parameter_names(model)
+    return dict(losses=losses, state=trained_state(model), expert_names=expert_names)
+
+
+def reference(trained, world_size=2):
+    """One process: per step, the mean of the ranks' losses, one SGD step."""
+    model = build_model()
+    set_trainable(model, trained)
+    opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
+    losses = []
+    for step in range(STEPS):
+        per_rank = [model(input_ids=batch(step, r), labels=batch(step, r), use_cache=False).loss
+                    for r in range(world_size)]
+        (sum(per_rank) / world_size).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append([loss.item() for loss in per_rank])
+    return losses, trained_state(model)
+
+
+def rel_err(a, b):
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+@pytest.mark.parametrize("trained", ["lora", "lora+replicated"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_two_ranks_equal_one_process(engine, trained, monkeypatch):
+    results = check_all_ok(run_ranks(_worker, 2, engine, trained, timeout_s=240, pg_timeout_s=120))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ref_losses, ref_state = reference(trained)
+    for step in range(STEPS):
+        for rank in range(2):
+            got, want = results[rank]["losses"][step], ref_losses[step][rank]
+            assert abs(got - want) <= 1e-5 * abs(want), f"{engine}, rank {rank}, step {step}: {got} vs {want}"
+    owner, other = results
+    assert owner["expert_names"] and other["expert_names"] == []  # the non-owner holds no expert tensor
+    assert any("lora" in n for n in owner["state"])
+    assert not any("lora" in n for n in other["state"])
+    for name, want in ref_state.items():
+        if "lora" in name:
+            assert rel_err(owner["state"][name], want) <= 1e-5, name
+        else:  # replicated: the same on both ranks
+            for rank, res in enumerate(results):
+                assert rel_err(res["state"][name], want) <= 1e-5, (rank, name)
+    assert set(owner["state"]) == set(ref_state)
