@@ -8,7 +8,7 @@ PYTHON="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check \
     torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel \
-    transformers==5.23.0 peft==0.21.2 safetensors==0.8.0 matplotlib==3.11.2
+    transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 matplotlib==3.11.2
 # --use-pep517: an editable install through setuptools' PEP 660 hook in this environment
 # (the legacy `setup.py develop` path of current setuptools re-invokes pip with isolation).
 MAX_JOBS="${MAX_JOBS:-2}" .venv/bin/python -m pip install -q --disable-pip-version-check \

@@ -1,0 +1,57 @@
+"""A stock transformers.Trainer run on a patched tiny Qwen3-MoE (expert LoRA, optionally the
+routers too), for tests/test_trainer.py: ``python tests/trainer_run.py OUT [--train-router]``
+in one process or under ``torch.distributed.run``. Rank 0 writes OUT/result.pt: the logged
+losses and the trained tensors. The per-device batch is the global batch / world size, so
+every world size trains on the same samples per step."""
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+GLOBAL_BATCH, STEPS, SEQ = 4, 3, 12
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser()
+    p.add_argument("out")
+    p.add_argument("--train-router", action="store_true")
+    p.add_argument("--checkpointing", action="store_true")
+    p.add_argument("--max-grad-norm", type=float, default=0.0)
+    args = p.parse_args(argv)
+
+    import transformers
+
+    import kt_ops
+    from test_ddp_fsdp import build_model, set_trainable
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    model = build_model()
+    set_trainable(model, "lora+replicated" if args.train_router else "lora")
+    gen = torch.Generator().manual_seed(0)
+    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 96, (GLOBAL_BATCH * STEPS, SEQ),
+                                                                                 generator=gen)]
+    training_args = transformers.TrainingArguments(
+        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=STEPS,
+        learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+        dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None,
+        gradient_checkpointing=args.checkpointing,
+        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn}
+        if args.checkpointing else None)
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=data)
+    trainer.train()
+    if trainer.is_world_process_zero():
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.numel()}
+    else:  # the replicated tensors of the other rank, to check that the ranks agree
+        state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.numel()}
+        torch.save(state, os.path.join(args.out, f"replicated_rank{trainer.args.process_index}.pt"))
+    if trainer.is_world_process_zero():
+        torch.save({"losses": losses, "state": state, "world": world}, os.path.join(args.out, "result.pt"))
+
+
+if __name__ == "__main__":
+    main()
