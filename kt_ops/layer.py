@@ -57,6 +57,12 @@ class KTMoE(nn.Module):
     own (average them with DDP, as for any replicated parameter); hidden-state gradients
     are each rank's own.
 
+    One owner per node: with ``process_group`` the node's ranks (its tokens go to the node's
+    owner) and ``expert_replica_group`` the group of the owners of all nodes (each holding a
+    replica of the experts), the owners average their expert gradients over that group as
+    they are accumulated (a hook per trainable expert tensor), so N nodes of R ranks train like
+    one process on all N·R ranks' batches: the same optimizer step keeps the replicas equal.
+
     The rank and world size come from ``process_group`` (or the default group) when it
     exists, else from ``RANK``/``WORLD_SIZE`` (see :mod:`kt_ops.rank_discovery`).
     """
@@ -66,7 +72,7 @@ class KTMoE(nn.Module):
                  norm_topk_prob: bool = True, owner_rank: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16,
                  router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
-                 group_size: Optional[int] = None):
+                 group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -99,6 +105,7 @@ class KTMoE(nn.Module):
             raise ValueError(f"KTMoE: owner_rank must be in [0, {self.world_size}), got {owner_rank}")
         self.owner_rank = owner_rank
         self.process_group = process_group
+        self.expert_replica_group = expert_replica_group
         self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
 
         # Every rank, owner or not, holds the same 0-element parameter, requiring grad when the
@@ -130,6 +137,7 @@ class KTMoE(nn.Module):
                                     ("down_lora_a", (E, r, I)), ("down_lora_b", (E, H, r))):
                     setattr(self, name, nn.Parameter(torch.empty(shape, **cpu)))
         self.reset_parameters()
+        self.register_replica_hooks()
 
     @property
     def is_owner(self) -> bool:
@@ -169,6 +177,24 @@ class KTMoE(nn.Module):
         """The owner's (gate_proj, up_proj, down_proj, *6 LoRA tensors or None)."""
         lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
         return (self.gate_proj, self.up_proj, self.down_proj) + lora
+
+    def register_replica_hooks(self) -> None:
+        """On an owner with an ``expert_replica_group`` of several owners: average each trainable
+        expert tensor's gradient over the group once it is accumulated. Idempotent; call it again
+        after replacing expert parameters (kt_ops.patch_model does)."""
+        group = self.expert_replica_group
+        if group is None or not self.is_owner or group.size() == 1:
+            return
+        for param in {id(p): p for p in self.expert_tensors() if p is not None and p.requires_grad}.values():
+            if getattr(param, "_kt_replica_hook", None) is group:
+                continue
+
+            def average(p, group=group):
+                dist.all_reduce(p.grad, group=group)  # SUM: gloo has no AVG
+                p.grad.div_(group.size())
+
+            param.register_post_accumulate_grad_hook(average)
+            param._kt_replica_hook = group
 
     def expert_scales(self) -> tuple:
         """The owner's (gate_scale, up_scale, down_scale) of quantized experts, or three Nones."""

@@ -41,7 +41,8 @@ def patched_blocks(model: nn.Module) -> list[tuple[str, nn.Module]]:
 def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[float] = None,
                 train_base: bool = False, owner_rank: int = 0,
                 process_group: Optional[dist.ProcessGroup] = None, expert_format: Optional[str] = None,
-                group_size: Optional[int] = None) -> nn.Module:
+                group_size: Optional[int] = None,
+                expert_replica_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
     """Replace, in place, every transformers experts module of ``model`` by a
     :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
@@ -80,6 +81,9 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             that module is dropped before the next: the extra memory at any moment is one
             module's experts. Quantized experts are frozen (no ``train_base``).
         group_size: int4's input columns per scale (32, 64 or 128; default 32).
+        expert_replica_group: one owner per node: ``process_group`` is the node's ranks and this
+            the group of all nodes' owners, which average their expert gradients (see
+            :class:`~kt_ops.KTMoE`).
 
     Returns:
         ``model`` (patched in place). Parameters outside the experts keep their
@@ -128,7 +132,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     for name, experts in targets:
         new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
                                owner_rank=owner_rank, process_group=process_group, expert_format=expert_format,
-                               group_size=group_size)
+                               group_size=group_size, expert_replica_group=expert_replica_group)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
@@ -146,7 +150,7 @@ def _top_k(experts: nn.Module, num_experts: int) -> int:
 
 def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
                      owner_rank: int, process_group: Optional[dist.ProcessGroup], expert_format: Optional[str],
-                     group_size: Optional[int]) -> KTExperts:
+                     group_size: Optional[int], expert_replica_group: Optional[dist.ProcessGroup]) -> KTExperts:
     gate_up, down = experts.gate_up_proj, experts.down_proj
     E, two_i, H = gate_up.shape
     I = two_i // 2
@@ -159,7 +163,8 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if rank == owner_rank else nullcontext()):
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
-                       dtype=gate_up.dtype, expert_format=expert_format, group_size=group_size)
+                       dtype=gate_up.dtype, expert_format=expert_format, group_size=group_size,
+                       expert_replica_group=expert_replica_group)
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.
     lora_seed = int(torch.randint(0, 2**62, ()).item())
     if kt.is_owner:
@@ -186,6 +191,7 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     # The grad anchor (KTMoE.__init__) lives with the model's other parameters, like the router.
     kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=gate_up.dtype, device=gate_up.device),
                                   requires_grad=bool(lora_rank or train_base))
+    kt.register_replica_hooks()  # on the real expert parameters, not the meta ones built above
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
     experts.down_proj = None
     kt.train(experts.training)
