@@ -5,7 +5,9 @@ their gradients already are the average over ranks (see :class:`kt_ops.KTMoE`), 
 engines must leave them alone: DDP would find different parameter sets on different ranks,
 FSDP2 would issue collectives of different sizes. Everything else (router, attention, the
 0-element ``grad_anchor`` every KT layer holds on every rank) is an ordinary replicated
-parameter that the engine averages.
+parameter that the engine averages. Each KT layer's frozen ``expert_grad_norm`` carries, after
+every backward, the owner's expert-gradient norm to the other ranks (as its ``.grad``), so that
+gradient clipping by a rank's local norm clips by the same factor everywhere.
 
 * DDP: :func:`prepare_ddp` writes the owner-only names into ``_ddp_params_and_buffers_to_ignore``
   of the module given to DDP (:func:`kt_ops.patch_model` does it for the model it patches), then
@@ -42,8 +44,10 @@ def expert_parameter_names(model: nn.Module) -> list[str]:
 
 def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
     """The parameters of the KT layers inside ``module`` that FSDP2 must not shard (its
-    ``ignored_params``): this rank's owner-only expert tensors and every layer's grad anchor."""
-    return {getattr(layer, leaf) for _, layer in _kt_layers(module) for leaf in _OWNER_ONLY + ("grad_anchor",)
+    ``ignored_params``): this rank's owner-only expert tensors, every layer's grad anchor and
+    its expert-gradient norm (a plain tensor whose .grad kt_ops sets)."""
+    return {getattr(layer, leaf) for _, layer in _kt_layers(module)
+            for leaf in _OWNER_ONLY + ("grad_anchor", "expert_grad_norm")
             if isinstance(getattr(layer, leaf, None), nn.Parameter)}
 
 

@@ -114,6 +114,11 @@ class KTMoE(nn.Module):
         # requires grad), and gives DDP the same parameter set on every rank once the owner-only
         # expert tensors are ignored (kt_ops.distributed). It holds no memory and never changes.
         self.grad_anchor = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=bool(lora_rank or train_base))
+        # Also on every rank: after each backward, the norm of the owner's expert gradients, as
+        # the .grad of this frozen 1-element parameter off the owner (0 on it), so that gradient
+        # clipping by the norm of a rank's own parameters (clip_grad_norm_, Trainer's
+        # max_grad_norm) sees the same total norm, and clips by the same factor, on every rank.
+        self.expert_grad_norm = nn.Parameter(torch.zeros(1), requires_grad=False)
         # The router: x [T, H] -> (topk_weights [T, K], topk_ids [T, K]). Model integrations
         # (kt_ops.hf) pass the architecture's own router so that routing is reproduced exactly.
         self.gate = router if router is not None else SoftmaxTopKRouter(
@@ -137,7 +142,7 @@ class KTMoE(nn.Module):
                                     ("down_lora_a", (E, r, I)), ("down_lora_b", (E, H, r))):
                     setattr(self, name, nn.Parameter(torch.empty(shape, **cpu)))
         self.reset_parameters()
-        self.register_replica_hooks()
+        self.register_gradient_hooks()
 
     @property
     def is_owner(self) -> bool:
@@ -178,10 +183,23 @@ class KTMoE(nn.Module):
         lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
         return (self.gate_proj, self.up_proj, self.down_proj) + lora
 
-    def register_replica_hooks(self) -> None:
-        """On an owner with an ``expert_replica_group`` of several owners: average each trainable
-        expert tensor's gradient over the group once it is accumulated. Idempotent; call it again
-        after replacing expert parameters (kt_ops.patch_model does)."""
+    def register_gradient_hooks(self) -> None:
+        """The gradient hooks of a multi-rank layer (idempotent; call again after replacing its
+        parameters, as kt_ops.patch_model does):
+
+        * every rank: when the grad anchor's gradient is accumulated (every backward through the
+          layer), queue :meth:`share_expert_grad_norm` for the end of that backward;
+        * an owner with an ``expert_replica_group`` of several owners: average each trainable
+          expert tensor's gradient over the group once it is accumulated."""
+        if self.world_size > 1 and self.grad_anchor.requires_grad and not hasattr(self.grad_anchor, "_kt_norm_hook"):
+            def queue_share(_param):
+                if not self._norm_share_queued:
+                    self._norm_share_queued = True
+                    torch.autograd.Variable._execution_engine.queue_callback(self.share_expert_grad_norm)
+
+            self._norm_share_queued = False
+            self.grad_anchor.register_post_accumulate_grad_hook(queue_share)
+            self.grad_anchor._kt_norm_hook = True
         group = self.expert_replica_group
         if group is None or not self.is_owner or group.size() == 1:
             return
@@ -195,6 +213,23 @@ class KTMoE(nn.Module):
 
             param.register_post_accumulate_grad_hook(average)
             param._kt_replica_hook = group
+
+    def share_expert_grad_norm(self) -> None:
+        """The owner broadcasts the norm of its expert gradients to the other ranks of the
+        layer's group, which keep it as ``expert_grad_norm.grad`` (the owner keeps 0 there): a
+        rank's local gradient norm then includes the experts' on every rank. Runs at the end of
+        each backward through the layer (see :meth:`register_gradient_hooks`)."""
+        self._norm_share_queued = False
+        share = self.expert_grad_norm
+        total = torch.zeros(1, dtype=torch.float64, device=share.device)
+        if self.is_owner:
+            for p in {id(p): p for p in self.expert_tensors() if p is not None}.values():
+                if p.grad is not None:
+                    total += p.grad.detach().double().pow(2).sum().to(total.device)
+        group = self.process_group
+        src = dist.get_global_rank(group, self.owner_rank) if group is not None else self.owner_rank
+        dist.broadcast(total, src=src, group=group)
+        share.grad = torch.zeros_like(share) if self.is_owner else total.sqrt().to(share.dtype)
 
     def expert_scales(self) -> tuple:
         """The owner's (gate_scale, up_scale, down_scale) of quantized experts, or three Nones."""
@@ -233,8 +268,9 @@ class KTMoE(nn.Module):
         """``.to()`` / ``.cuda()`` / ``.bfloat16()`` move the router, never the experts: they
         stay in CPU memory (a dtype change still applies to them). The target dtype is read
         off an empty probe tensor, so no expert-sized copy is ever made on the device."""
-        # The experts stay where they are (the 0-element grad anchor moves like any parameter).
-        experts = {k: v for k, v in self._parameters.items() if k != "grad_anchor"}
+        # The experts stay where they are (the grad anchor and the expert-gradient norm move like
+        # any parameter).
+        experts = {k: v for k, v in self._parameters.items() if k not in ("grad_anchor", "expert_grad_norm")}
         for k in experts:
             del self._parameters[k]
         frozen_format = set(_BASE_NAMES + _SCALE_NAMES) if self.expert_format is not None else set()

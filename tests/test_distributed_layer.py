@@ -98,8 +98,9 @@ def check_against_reference(results, mode, owner_rank, seq_lens, seed, monkeypat
     for rank, res in enumerate(results):
         if rank == owner_rank:
             assert res["params"] == sorted(n for n, _ in ref.named_parameters())
-        else:  # a non-owner holds the router and the grad anchor only
-            assert res["params"] == ["gate.weight", "grad_anchor"], f"rank {rank} holds {res['params']}"
+        else:  # a non-owner holds the router, the grad anchor and the expert-gradient norm only
+            assert res["params"] == ["expert_grad_norm", "gate.weight", "grad_anchor"], \
+                f"rank {rank} holds {res['params']}"
 
     for step, lens in enumerate(seq_lens):
         ref.zero_grad(set_to_none=True)

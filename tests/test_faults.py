@@ -136,7 +136,7 @@ def test_expert_lora_alone_trains_on_every_rank():
     results = check_all_ok(run_ranks(_frozen_input_worker, 2, False, timeout_s=90))
     assert not results[0]["outcome"]["raised"] and not results[1]["outcome"]["raised"], results
     assert results[0]["grads"]["gate_lora_a"] and not results[0]["grads"]["gate.weight"]
-    assert results[1]["grads"] == {"gate.weight": False, "grad_anchor": True}
+    assert results[1]["grads"] == {"gate.weight": False, "grad_anchor": True, "expert_grad_norm": True}
 
 
 def test_trainable_experts_with_nothing_to_backpropagate_raise_on_every_rank():
@@ -154,4 +154,4 @@ def test_trainable_router_alone_carries_every_rank_through_backward():
     results = check_all_ok(run_ranks(_frozen_input_worker, 2, True, timeout_s=90))
     assert not results[0]["outcome"]["raised"] and not results[1]["outcome"]["raised"], results
     assert results[0]["grads"]["gate_lora_a"] and results[0]["grads"]["gate.weight"]
-    assert results[1]["grads"] == {"gate.weight": True, "grad_anchor": True}
+    assert results[1]["grads"] == {"gate.weight": True, "grad_anchor": True, "expert_grad_norm": True}

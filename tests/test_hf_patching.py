@@ -241,10 +241,12 @@ def test_non_owner_rank_drops_the_experts(monkeypatch):
     for _, block in patched_blocks(patched):
         kt = block.experts
         assert not kt.is_owner and not hasattr(kt, "gate_proj") and not hasattr(kt, "gate_lora_a")
-        assert [n for n, p in kt.named_parameters()] == ["grad_anchor"] and kt.grad_anchor.numel() == 0
+        assert sorted(n for n, p in kt.named_parameters()) == ["expert_grad_norm", "grad_anchor"]
+        assert kt.grad_anchor.numel() == 0 and kt.expert_grad_norm.numel() == 1
     assert all(o.gate_up_proj is None and o.down_proj is None for o in old)
     names = [n for n, _ in patched.named_parameters()]
-    assert not any(".experts." in n and not n.endswith(".experts.grad_anchor") for n in names)
+    assert not any(".experts." in n and not n.endswith((".experts.grad_anchor", ".experts.expert_grad_norm"))
+                   for n in names)
     assert any(n.endswith("mlp.gate.weight") for n in names) and any("shared_experts" in n for n in names)
 
 
@@ -330,7 +332,8 @@ def _two_rank_worker(rank, world_size):
     out.loss.backward()
     grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
     return {"logits": out.logits.detach(), "loss": out.loss.detach(), "grads": grads,
-            "expert_params": sum(p.numel() for _, b in blocks(model) for p in b.experts.parameters())}
+            "expert_params": sum(p.numel() for _, b in blocks(model) for n, p in b.experts.named_parameters()
+                                 if n not in ("grad_anchor", "expert_grad_norm"))}
 
 
 def _set_lora_b(model):

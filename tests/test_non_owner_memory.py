@@ -61,6 +61,6 @@ def test_non_owner_holds_only_the_router(num_experts):
           f"RSS +{res['rss_delta'] / mib:.2f} MiB, peak RSS +{res['peak_delta'] / mib:.2f} MiB "
           f"(after import: {res['peak_before'] / mib:.0f} MiB; the owner's experts: {expert_bytes / mib:.0f} MiB)")
     assert (res["rank"], res["world_size"], res["is_owner"]) == (1, 2, False)
-    assert res["params"] == {"gate.weight": [num_experts, H], "grad_anchor": [0]}
-    assert res["numel"] == num_experts * H and res["buffers"] == 0
+    assert res["params"] == {"gate.weight": [num_experts, H], "grad_anchor": [0], "expert_grad_norm": [1]}
+    assert res["numel"] == num_experts * H + 1 and res["buffers"] == 0
     assert res["peak_delta"] < 64 * mib  # the owner would add 72 MiB (E=8) / 2304 MiB (E=256)

@@ -100,6 +100,6 @@ def test_patch_model_passes_the_replica_group(monkeypatch):
     from test_quantized_layer import tiny_qwen3_moe
 
     sentinel = object()
-    monkeypatch.setattr(kt_ops.KTMoE, "register_replica_hooks", lambda self: None)
+    monkeypatch.setattr(kt_ops.KTMoE, "register_gradient_hooks", lambda self: None)
     model = kt_ops.patch_model(tiny_qwen3_moe(torch.float32), lora_rank=2, expert_replica_group=sentinel)
     assert all(kt.expert_replica_group is sentinel for _, kt in patched_experts(model))

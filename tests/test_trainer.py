@@ -3,8 +3,10 @@
 because patch_model marked the owner-only expert tensors; see kt_ops.distributed): the same
 logged losses and trained tensors (fp32, SGD), with the expert LoRA alone and with the routers
 and attention q_proj as well, the latter with HF gradient checkpointing and the kt policy given
-through ``TrainingArguments(gradient_checkpointing_kwargs=...)``. Both ranks end with the same
-replicated tensors. Gradient clipping is off: see the README (DDP and FSDP2) for why."""
+through ``TrainingArguments(gradient_checkpointing_kwargs=...)``, and with gradient clipping
+(``max_grad_norm=1.0``: every rank clips by the global norm, the experts' included, because
+each KT layer shares its owner's expert-gradient norm). Both ranks end with the same replicated
+tensors."""
 import os
 import socket
 import subprocess
@@ -43,7 +45,8 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("extra", [[], ["--train-router", "--checkpointing"]], ids=["expert-lora", "lora+router-ckpt"])
+@pytest.mark.parametrize("extra", [[], ["--train-router", "--checkpointing"], ["--train-router", "--max-grad-norm", "1.0"]],
+                         ids=["expert-lora", "lora+router-ckpt", "lora+router-clipped"])
 def test_trainer_under_torchrun_equals_one_process(tmp_path, extra):
     single = run(tmp_path / "single", extra, 1)
     multi = run(tmp_path / "multi", extra, 2)

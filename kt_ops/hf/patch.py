@@ -191,7 +191,8 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     # The grad anchor (KTMoE.__init__) lives with the model's other parameters, like the router.
     kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=gate_up.dtype, device=gate_up.device),
                                   requires_grad=bool(lora_rank or train_base))
-    kt.register_replica_hooks()  # on the real expert parameters, not the meta ones built above
+    kt.expert_grad_norm = nn.Parameter(torch.zeros(1, device=gate_up.device), requires_grad=False)
+    kt.register_gradient_hooks()  # on the real parameters, not the meta ones built above
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
     experts.down_proj = None
     kt.train(experts.training)
