@@ -41,7 +41,9 @@ class KTMoE(nn.Module):
     only, ``gate_proj``/``up_proj`` ``[E, I, H]``, ``down_proj`` ``[E, H, I]`` and, with
     ``lora_rank > 0``, the PEFT-layout adapters ``{gate,up,down}_lora_{a,b}``
     (``[E, r, in]`` / ``[E, out, r]``, B initialised to zero). Other ranks allocate no expert
-    memory at all. Base weights require grad only with ``train_base=True``.
+    memory at all. Base weights require grad only with ``train_base=True``. Every rank also holds
+    ``grad_anchor`` (0 elements, trainable when the experts are) and ``expert_grad_norm`` (1
+    element, frozen): see :mod:`kt_ops.distributed` (DDP, FSDP2, gradient clipping).
 
     Quantized experts (``expert_format="fp8" | "int8" | "int4"``, see
     :mod:`kt_ops.quantization`): ``gate_proj``/``up_proj``/``down_proj`` hold the quantized
