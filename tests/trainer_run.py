@@ -20,6 +20,9 @@ def main(argv=None):
     p.add_argument("--train-router", action="store_true")
     p.add_argument("--checkpointing", action="store_true")
     p.add_argument("--max-grad-norm", type=float, default=0.0)
+    p.add_argument("--steps", type=int, default=STEPS)
+    p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
+    p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     args = p.parse_args(argv)
 
     import transformers
@@ -31,26 +34,31 @@ def main(argv=None):
     model = build_model()
     set_trainable(model, "lora+replicated" if args.train_router else "lora")
     gen = torch.Generator().manual_seed(0)
-    data = [{"input_ids": ids, "labels": ids.clone()} for ids in torch.randint(0, 96, (GLOBAL_BATCH * STEPS, SEQ),
-                                                                                 generator=gen)]
+    data = [{"input_ids": ids, "labels": ids.clone()}
+            for ids in torch.randint(0, 96, (GLOBAL_BATCH * args.steps, SEQ), generator=gen)]
     training_args = transformers.TrainingArguments(
-        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=STEPS,
+        output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=args.steps,
         learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, seed=0, data_seed=0,
+        logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
+        report_to=[], use_cpu=True, seed=0, data_seed=0,
         dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None,
         gradient_checkpointing=args.checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn}
         if args.checkpointing else None)
-    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=data)
-    trainer.train()
+    from kt_ops.hf.trainer import KTAdapterCallback
+
+    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=data, callbacks=[KTAdapterCallback()])
+    trainer.train(resume_from_checkpoint=args.resume)
     if trainer.is_world_process_zero():
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
         state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.numel()}
     else:  # the replicated tensors of the other rank, to check that the ranks agree
         state = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad and p.numel()}
         torch.save(state, os.path.join(args.out, f"replicated_rank{trainer.args.process_index}.pt"))
     if trainer.is_world_process_zero():
-        torch.save({"losses": losses, "state": state, "world": world}, os.path.join(args.out, "result.pt"))
+        from kt_ops import _kernels
+        torch.save({"losses": losses, "state": state, "world": world, "kernel_calls": dict(_kernels.calls)},
+                   os.path.join(args.out, "result.pt"))
 
 
 if __name__ == "__main__":

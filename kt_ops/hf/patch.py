@@ -218,5 +218,8 @@ def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> Non
 
     kt.gate_lora_a = a(H)
     kt.up_lora_a = kt.gate_lora_a  # tied: see patch_model's docstring
+    # Declared the transformers way, so that save_pretrained (Trainer checkpoints) keeps one copy
+    # instead of refusing the shared tensor, and loading the one copy fills both names.
+    kt._tied_weights_keys = {"up_lora_a": "gate_lora_a"}
     kt.gate_lora_b, kt.up_lora_b = b(I), b(I)
     kt.down_lora_a, kt.down_lora_b = a(I), b(H)
