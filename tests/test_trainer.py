@@ -37,7 +37,9 @@ def run(out, extra, ranks):
         "--master-port", str(_free_port())]
     proc = subprocess.run(["timeout", "-k", "10", "240", *launcher, SCRIPT, str(out), *extra], cwd=ROOT, env=env,
                           capture_output=True, text=True)
-    assert proc.returncode == 0, (proc.returncode, proc.stdout[-3000:], proc.stderr[-6000:])
+    if proc.returncode != 0:  # a plain string: pytest would cut a long tuple repr in the middle
+        pytest.fail(f"exit status {proc.returncode}\n--- stderr (end) ---\n{proc.stderr[-8000:]}\n"
+                    f"--- stdout (end) ---\n{proc.stdout[-2000:]}", pytrace=False)
     return torch.load(os.path.join(out, "result.pt"))
 
 

@@ -63,3 +63,9 @@ def main(argv=None):
 
 if __name__ == "__main__":
     main()
+    import torch.distributed as dist
+    if dist.is_initialized():
+        # Leave together: a rank exiting while the other still holds the gloo connections
+        # can abort it (SIGABRT seen once in CI).
+        dist.barrier()
+        dist.destroy_process_group()
