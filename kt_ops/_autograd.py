@@ -5,6 +5,8 @@ Forward saves its inputs and the gate/up pre-activations it returned; backward i
 """
 import torch
 
+from kt_ops import quantization
+
 # Order of the differentiable inputs in moe_forward's schema, and the position of each in
 # kt.moe_backward's output_mask / result list.
 _GRAD_INPUTS = {
@@ -23,7 +25,6 @@ _GRAD_INPUTS = {
 _NUM_INPUTS = 17  # moe_forward's 12 tensors, lora_scale, save_activations, 3 scales
 _SCALES = slice(14, 17)  # gate_scale, up_scale, down_scale (quantized base weights only)
 _BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
-_QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 
 
 def _setup_context(ctx, inputs, output):
@@ -36,7 +37,7 @@ def _setup_context(ctx, inputs, output):
     scales = list(inputs[_SCALES])
     for name, weight, scale in zip(_BASE_NAMES, tensors[3:6], scales):
         # Raised here, at forward time, rather than at a backward far from the cause.
-        if weight.dtype in _QUANTIZED_DTYPES and (weight.requires_grad or (scale is not None and scale.requires_grad)):
+        if quantization.format_of(weight) is not None and (weight.requires_grad or (scale is not None and scale.requires_grad)):
             raise ValueError(f"kt.moe: {name} is quantized ({weight.dtype}), so it and its scale are frozen "
                              "and cannot require grad: train LoRA adapters on it instead")
     ctx.lora_present = [t is not None for t in tensors[6:12]]

@@ -22,12 +22,12 @@ from __future__ import annotations
 
 from torch import nn
 
-_OWNER_ONLY = ("gate_proj", "up_proj", "down_proj", "gate_scale", "up_scale", "down_scale", "gate_lora_a",
-               "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
+from kt_ops.layer import _BASE_NAMES, _LORA_NAMES, _SCALE_NAMES, KTMoE
+
+_OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
 
 
 def _kt_layers(model: nn.Module):
-    from kt_ops.layer import KTMoE
     return [(name, m) for name, m in model.named_modules() if isinstance(m, KTMoE)]
 
 
