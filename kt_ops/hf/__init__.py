@@ -6,6 +6,8 @@
 - :func:`register_kt_experts` adds ``"kt"`` to transformers' experts implementations
   (``model.set_experts_implementation("kt")``: kt.moe on the module's own weights);
   patch_model calls it.
+- :func:`from_pretrained` builds a patched model straight from a checkpoint's safetensors
+  shards (bf16, FP8 blocks, compressed-tensors INT4), with bounded memory (:mod:`kt_ops.hf.loading`).
 - :func:`save_adapter` / :func:`load_adapter` write and read the expert LoRA in PEFT's
   adapter format (``adapter_model.safetensors`` + ``adapter_config.json``), interchangeable
   with ``PeftModel`` on the unpatched model.
@@ -14,7 +16,8 @@ Importing this package does not import transformers or peft (they are imported l
 """
 from kt_ops.hf.adapters import load_adapter, save_adapter
 from kt_ops.hf.experts import KTExperts, experts_support, register_kt_experts
+from kt_ops.hf.loading import from_pretrained
 from kt_ops.hf.patch import patch_model, patched_experts
 
-__all__ = ["patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
+__all__ = ["from_pretrained", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
            "register_kt_experts"]

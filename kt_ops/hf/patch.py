@@ -23,7 +23,7 @@ from torch import nn
 from kt_ops import quantization
 from kt_ops.distributed import prepare_ddp
 from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts
-from kt_ops.layer import KTMoE
+from kt_ops.layer import _BASE_NAMES, _SCALE_NAMES, KTMoE
 from kt_ops.rank_discovery import discover_rank
 
 
@@ -188,6 +188,8 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                     kt.set_quantized_weight(name, w)
             if lora_rank:
                 _init_lora(kt, cpu, lora_seed, on_meta)
+                if on_meta:
+                    kt._lora_seed = lora_seed  # for materialize_experts: the LoRA patch_model would draw
     # The grad anchor (KTMoE.__init__) lives with the model's other parameters, like the router.
     kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=gate_up.dtype, device=gate_up.device),
                                   requires_grad=bool(lora_rank or train_base))
@@ -197,6 +199,29 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     experts.down_proj = None
     kt.train(experts.training)
     return kt
+
+
+def materialize_experts(kt: KTExperts, device: torch.device) -> None:
+    """Real storage for a :class:`KTExperts` that :func:`patch_model` patched from a model on the
+    meta device (what :func:`kt_ops.hf.from_pretrained` builds): on the owner, the base expert
+    tensors (and scales) are allocated uninitialised on the CPU for a loader to fill and the
+    LoRA is initialised as patch_model initialises it on a real model (the same per-layer seed);
+    on every rank the grad anchor and the expert-gradient norm move to ``device`` and the
+    gradient hooks are registered on the new tensors. Tensors already real are left alone."""
+    with torch.no_grad():
+        if kt.is_owner:
+            for name in _BASE_NAMES + _SCALE_NAMES:
+                p = getattr(kt, name, None)
+                if p is not None and p.device.type == "meta":
+                    setattr(kt, name, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
+            if kt.lora_rank and kt.gate_lora_a.device.type == "meta":
+                _init_lora(kt, torch.device("cpu"), kt._lora_seed, on_meta=False)
+        anchor = kt.grad_anchor
+        if anchor.device != torch.device(device):
+            kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=anchor.dtype, device=device),
+                                          requires_grad=anchor.requires_grad)
+            kt.expert_grad_norm = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+    kt.register_gradient_hooks()
 
 
 def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> None:

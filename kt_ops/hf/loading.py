@@ -1,0 +1,533 @@
+"""``kt_ops.hf.from_pretrained``: a patched model straight from a checkpoint's safetensors
+shards, with bounded memory.
+
+``AutoModelForCausalLM.from_pretrained`` + :func:`~kt_ops.hf.patch_model` materialises the whole
+model in the model's dtype before moving the experts (twice the checkpoint for FP8 dequantized
+to bf16). Here the model is built from its config on the meta device and patched there; then
+every stored tensor is read once, memory-mapped, and written where it ends: non-expert weights
+to ``device``, routed experts one expert matrix at a time into the owner rank's CPU layout
+(quantized on the way when asked, or copied as stored when the checkpoint already holds that
+format). Non-owner ranks read no expert tensor at all.
+
+Checkpoint names are mapped to the model's with transformers' own conversion mapping (the one
+its ``from_pretrained`` uses: ``block_sparse_moe`` -> ``mlp``, per-expert
+``experts.{e}.gate_proj.weight`` -> the fused ``experts.gate_up_proj``, ...), so any family
+transformers loads and kt_ops patches is read the same way. Everything is checked against the
+headers before a byte of data is read: a tensor the model lacks, a weight the checkpoint lacks
+(each expert's each projection), a shape or a quantization layout kt_ops does not read raise a
+ValueError naming the tensor.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from typing import Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from kt_ops import quantization
+from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
+from kt_ops.hf.experts import is_experts_module
+from kt_ops.hf.patch import materialize_experts, patch_model
+from kt_ops.hf.shards import ShardReader, TensorRef, shard_files, tensor_refs
+from kt_ops.rank_discovery import discover_rank
+
+_TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
+                 "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+                 "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_FLOAT_NAMES = ("F64", "F32", "BF16", "F16")
+
+
+@dataclasses.dataclass
+class _ExpertSlot:
+    """Where a stored expert tensor goes: ``proj`` of experts module ``path``, expert ``expert``
+    (None: a fused tensor holding every expert; ``proj == "gate_up_proj"``: both halves)."""
+    path: str
+    proj: str
+    expert: Optional[int]
+    # fused tensors stored [E, in, out] (transformers' Transpose(1, 2)): "always", "if_needed"
+    # (check_dims: when the shape differs) or None; ``transposed`` is what the header said
+    transpose: Optional[str] = None
+    transposed: bool = False
+
+
+@dataclasses.dataclass
+class _Weight:
+    """What one group of stored tensors fills: an expert slot, or non-expert model tensors
+    (``targets``; several when a transformers converter splits or merges them)."""
+    target: str  # the model's state-dict key (experts: the fused key transformers would fill)
+    slot: Optional[_ExpertSlot]
+    converter: object = None  # the transformers WeightConverter building a non-expert target
+    # checkpoint weight key -> {role: TensorRef} (one weight, except for a converter's inputs)
+    sources: dict = dataclasses.field(default_factory=dict)
+    patterns: dict = dataclasses.field(default_factory=dict)  # weight key -> the converter's source pattern
+
+    @property
+    def name(self) -> str:
+        return next(iter(self.sources))
+
+    @property
+    def parts(self) -> dict:
+        """The roles of the (single) stored weight."""
+        return self.sources[self.name]
+
+    @property
+    def refs(self) -> list[TensorRef]:
+        return [ref for parts in self.sources.values() for ref in parts.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(ref.nbytes for ref in self.refs)
+
+    @property
+    def first_file(self) -> str:
+        return min(ref.file for ref in self.refs)
+
+    @property
+    def targets(self) -> list[str]:
+        """The model keys this fills (a converter's first target pattern names ``target``)."""
+        if self.converter is None:
+            return [self.target]
+        first = self.converter.target_patterns[0]
+        return [self.target.replace(first, t, 1) for t in self.converter.target_patterns]
+
+
+def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_alpha: Optional[float] = None,
+                    train_base: bool = False, expert_format: Optional[str] = None, group_size: Optional[int] = None,
+                    dtype: Optional[torch.dtype] = None, device: Optional[Union[str, torch.device]] = None,
+                    owner_rank: int = 0, process_group: Optional[dist.ProcessGroup] = None,
+                    progress: bool = True) -> nn.Module:
+    """The model of checkpoint directory ``path``, patched by :func:`~kt_ops.hf.patch_model`,
+    filled from its safetensors shards without ever holding the unpatched model in memory.
+
+    Returns what ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` followed by
+    ``patch_model(model, lora_rank=..., ...)`` returns (equal logits; in eval mode; LoRA drawn
+    as patch_model draws it), with the checkpoint's generation config.
+
+    Checkpoints read as they ship: float (bf16 / fp16 / fp32) with experts stored per expert
+    (``experts.{e}.gate_proj.weight``: hub layout, and what transformers' save_pretrained
+    writes) or fused (``experts.gate_up_proj [E, 2I, H]``); FP8 block checkpoints
+    (``quant_method: "fp8"``, ``weight_block_size [128, 128]``: DeepSeek-V3, Kimi-K2); and
+    compressed-tensors' pack-quantized symmetric INT4 (Kimi-K2-Thinking). The routed experts
+    end in ``expert_format``: copied as stored when the checkpoint holds that format (FP8 as
+    ``"fp8"``; INT4 as ``"int4"`` with the checkpoint's group size, the default then), else
+    dequantized and cast to ``dtype`` (``expert_format=None``) or requantized. Quantized
+    non-expert weights are dequantized to ``dtype``.
+
+    Memory: the finished model, plus one stored tensor in flight and at most
+    :data:`~kt_ops.hf.shards.REMAP_BYTES` of mapped shard pages; non-owner ranks read only
+    the non-expert tensors.
+
+    Args:
+        path: a local checkpoint directory (``config.json`` + ``model.safetensors`` or a
+            sharded ``model.safetensors.index.json``).
+        lora_rank, lora_alpha, train_base, expert_format, group_size, owner_rank,
+            process_group: as :func:`~kt_ops.hf.patch_model`.
+        dtype: the model's dtype (default: the config's ``dtype``, else float32).
+        device: where the non-expert weights go (default: the rank's GPU, ``cuda:LOCAL_RANK``,
+            when CUDA is available, else the CPU). The experts always live on the owner's CPU.
+        progress: a progress bar over the bytes read (on the owner rank).
+
+    Raises:
+        ValueError: no safetensors checkpoint at ``path``; a quantization method or layout kt_ops
+            does not read; a checkpoint tensor the model has no place for, a model weight (or an
+            expert's projection) the checkpoint lacks, or a shape that does not fit (each named);
+            or anything :func:`~kt_ops.hf.patch_model` refuses.
+    """
+    from accelerate import init_empty_weights
+    from transformers import AutoConfig
+
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"from_pretrained: path must be a local checkpoint directory, got {path!r}")
+    files = shard_files(path)
+    config = AutoConfig.from_pretrained(path)
+    stored = CheckpointQuantization.from_config(getattr(config, "quantization_config", None))
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config  # the model is built unquantized; kt_ops holds the experts' format
+    if expert_format == "int4" and group_size is None and stored.method == "int4":
+        group_size = stored.group_size  # copy the checkpoint's int4 as stored
+    dtype = _model_dtype(dtype, config)
+    device = _default_device(device)
+
+    # Parameters on meta, the buffers computed at construction (rotary frequencies) for real; the
+    # global RNG untouched (from_pretrained draws nothing either), so that the LoRA patch_model
+    # draws is the one it draws after from_pretrained.
+    with init_empty_weights(include_buffers=False), torch.random.fork_rng(devices=[]):
+        model = _build_model(config, dtype)
+    plan = _Plan(model, stored)
+    patch_model(model, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base, owner_rank=owner_rank,
+                process_group=process_group, expert_format=expert_format, group_size=group_size)
+    weights = plan.weights_of([ref for f in files for ref in tensor_refs(f)])
+
+    rank, _ = discover_rank(process_group)
+    experts = {p: model.get_submodule(p) for p in plan.experts_paths}
+    for kt in experts.values():
+        materialize_experts(kt, device)
+    todo = [w for w in weights if w.slot is None or experts[w.slot.path].is_owner]
+    _Loader(model, plan, experts, device).load(todo, progress=progress and rank == owner_rank)
+
+    _move_buffers(model, device)
+    if plan.tied:
+        model.tie_weights()
+    still_meta = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.device.type == "meta"]
+    if still_meta:  # a bug of ours, not the checkpoint's: every weight was planned above
+        raise RuntimeError(f"from_pretrained: tensors left uninitialised: {still_meta[:8]}")
+    _attach_generation_config(model, path)
+    model.config.name_or_path = path
+    return model.eval()
+
+
+def _build_model(config, dtype: torch.dtype) -> nn.Module:
+    """The class the checkpoint names (``config.architectures``, as transformers writes it:
+    multimodal wrappers too), else ``AutoModelForCausalLM``, built from ``config``."""
+    import transformers
+
+    for name in getattr(config, "architectures", None) or ():
+        cls = getattr(transformers, name, None)
+        if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+            return cls._from_config(config, dtype=dtype)
+    return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+
+
+def _model_dtype(dtype: Optional[torch.dtype], config) -> torch.dtype:
+    if dtype is None:
+        dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None) or torch.float32
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"from_pretrained: dtype must be a floating torch.dtype, got {dtype!r}")
+    return dtype
+
+
+def _default_device(device) -> torch.device:
+    if device is not None:
+        return torch.device(device)
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", torch.cuda.current_device())))
+    return torch.device("cpu")
+
+
+class _Plan:
+    """Maps checkpoint tensors to the model's weights (transformers' conversion mapping),
+    checked against the headers: built on the unpatched meta model."""
+
+    def __init__(self, model: nn.Module, stored: CheckpointQuantization):
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        self.stored = stored
+        transforms = get_model_conversion_mapping(model)
+        self.renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self.converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self.prefix = model.base_model_prefix
+        self.meta_state = model.state_dict()
+        self.experts_paths = [n for n, m in model.named_modules() if is_experts_module(m)]
+        self.expert_shapes = {n: tuple(model.get_submodule(n).gate_up_proj.shape) for n in self.experts_paths}
+        self.num_experts = {n: shape[0] for n, shape in self.expert_shapes.items()}
+        self.tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
+        self.ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+        # transformers' keep-in-fp32 rule (e.g. DeepSeek-V3's routing bias stays fp32 in a bf16 model)
+        self.dtype_plan = model._get_dtype_plan(model.dtype) if hasattr(model, "_get_dtype_plan") else {}
+
+    def dtype_of(self, target: str) -> torch.dtype:
+        """The dtype transformers' from_pretrained gives a non-expert tensor."""
+        from transformers.core_model_loading import build_glob_alternation
+
+        if self.dtype_plan:
+            alternation, group_to_glob, _ = build_glob_alternation(list(self.dtype_plan))
+            found = alternation.search(target)
+            if found is not None:
+                return self.dtype_plan[group_to_glob[found.lastgroup]]
+        return self.meta_state[target].dtype
+
+    def weights_of(self, refs: list[TensorRef]) -> list[_Weight]:
+        """Groups the stored tensors into the weights they fill; ValueError for anything the
+        model has no place for, lacks, or cannot read."""
+        weights: dict[tuple, _Weight] = {}
+        unexpected = []
+        for ref in refs:
+            base, role = self.stored.split_role(ref.key)
+            target, slot, converter, pattern = self._target_of(base)
+            if slot is None and target not in self.meta_state:
+                if not any(p.search(ref.key) for p in self.ignored):
+                    unexpected.append(ref.key)
+                continue
+            key = (slot.path, slot.proj, slot.expert) if slot else (target,)
+            weight = weights.setdefault(key, _Weight(target, slot, converter))
+            parts = weight.sources.setdefault(base, {})
+            if role in parts or (converter is None and len(weight.sources) > 1):
+                other = parts[role].key if role in parts else weight.refs[0].key
+                raise ValueError(f"checkpoint: {ref.key} and {other} both fill {target}")
+            parts[role] = ref
+            if pattern is not None:
+                weight.patterns[base] = pattern
+        if unexpected:
+            raise ValueError(f"checkpoint: {len(unexpected)} tensor(s) the model has no place for: "
+                             f"{_names(unexpected)}")
+        for weight in weights.values():
+            for name, parts in weight.sources.items():
+                self._check_parts(weight, name, parts)
+        self._check_complete(weights)
+        return list(weights.values())
+
+    def _target_of(self, key: str):
+        """``(model key, expert slot or None, converter or None, its source pattern or None)``."""
+        from transformers.core_model_loading import apply_renamings, rename_source_key
+
+        target, pattern = rename_source_key(key, self.renamings, self.converters, self.prefix, self.meta_state)
+        if target not in self.meta_state and key in self.meta_state:  # as transformers: the key as it is
+            target, pattern = rename_source_key(key, [], [], self.prefix, self.meta_state)
+        renamed = apply_renamings(key, self.renamings)
+        converter = None if pattern is None else next(
+            c for c in self.converters if pattern in c.source_patterns and c.compiled_sources.search(renamed))
+        path, _, leaf = target.rpartition(".")
+        if path not in self.num_experts or leaf not in ("gate_up_proj", "down_proj"):
+            return target, None, converter, pattern
+        if pattern is None:  # stored fused, as the model holds it
+            return target, _ExpertSlot(path, leaf, None), None, None
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
+        op = converter.operations[0]
+        if (len(ops) == 1 and ops[0][0] == "Transpose" and (op.dim0, op.dim1) in ((1, 2), (2, 1))
+                and len(converter.source_patterns) == 1):  # fused, stored transposed
+            return target, _ExpertSlot(path, leaf, None, "if_needed" if op.check_dims else "always"), None, None
+        want = [("MergeModulelist", 0), ("Concatenate", 1)] if leaf == "gate_up_proj" else [("MergeModulelist", 0)]
+        if ops != want or len(converter.source_patterns) != len(want):
+            raise ValueError(f"checkpoint: {key}: transformers builds {target} from it with {ops}; kt_ops reads experts "
+                             "stored per expert (stacked, gate|up concatenated) or fused as the model holds them")
+        # the pattern is a regex as transformers reads it ("*." -> any name), its "*" the expert index
+        found = re.search(pattern.replace("*.", r"(\d+)\."), renamed)
+        if found is None:
+            raise ValueError(f"checkpoint: {key}: no expert index where {pattern!r} has its '*'")
+        proj = "down_proj" if leaf == "down_proj" else ("gate_proj", "up_proj")[converter.source_patterns.index(pattern)]
+        return target, _ExpertSlot(path, proj, int(found.group(1))), None, None
+
+    def _check_parts(self, weight: _Weight, name: str, parts: dict) -> None:
+        if "zero_point" in parts:
+            raise ValueError(f"checkpoint: {parts['zero_point'].key}: asymmetric INT4 (zero points); kt_ops reads "
+                             "symmetric INT4")
+        if "packed" in parts:
+            if "group_scale" not in parts:
+                raise ValueError(f"checkpoint: {parts['packed'].key} has no {name}_scale")
+            if "value" in parts:
+                raise ValueError(f"checkpoint: {name} is stored both packed and as {parts['value'].key}")
+            expected = ("packed", "group_scale", "shape")
+        else:
+            if "value" not in parts:
+                raise ValueError(f"checkpoint: {_names([r.key for r in parts.values()])} without the weight {name}")
+            fp8 = parts["value"].dtype == "F8_E4M3"
+            if fp8 and "scale_inv" not in parts:
+                raise ValueError(f"checkpoint: {name} is float8_e4m3fn without {name}_scale_inv "
+                                 "(kt_ops reads FP8 weights with 128x128 block scales)")
+            if not fp8 and "scale_inv" in parts:
+                raise ValueError(f"checkpoint: {parts['scale_inv'].key} belongs to {name}, which is "
+                                 f"{parts['value'].dtype}, not float8_e4m3fn")
+            expected = ("value", "scale_inv")
+        extra = [r.key for role, r in parts.items() if role not in expected]
+        if extra:
+            raise ValueError(f"checkpoint: {_names(extra)}: not read with {name}")
+        got = _logical_shape(parts)
+        if weight.converter is not None:
+            return  # transformers' ops make the target: its shape is checked once they have
+        if weight.slot is None:
+            want, what = tuple(self.meta_state[weight.target].shape), f"the model's {weight.target}"
+        else:
+            slot = weight.slot
+            E, two_i, H = self.expert_shapes[slot.path]
+            I = two_i // 2
+            want = {"gate_up_proj": (E, two_i, H), "down_proj": (E, H, I)}[slot.proj] if slot.expert is None \
+                else ((H, I) if slot.proj == "down_proj" else (I, H))
+            what = f"{slot.path}'s {slot.proj}" + ("" if slot.expert is None else f" of one expert")
+            if slot.expert is not None and not 0 <= slot.expert < E:
+                raise ValueError(f"checkpoint: {name}: expert {slot.expert}, but {slot.path} has {E} experts")
+            swapped = (got[0], got[2], got[1]) if len(got) == 3 else got
+            if slot.transpose == "always" or (slot.transpose == "if_needed" and got != want and swapped == want):
+                slot.transposed, got = True, swapped
+        if got != want:
+            raise ValueError(f"checkpoint: {name} has shape {list(got)}; {what} is {list(want)}")
+
+    def _check_complete(self, weights: dict) -> None:
+        missing = []
+        filled = {t for w in weights.values() if w.slot is None for t in w.targets}
+        for target in self.meta_state:
+            path, _, leaf = target.rpartition(".")
+            if path in self.num_experts:
+                continue
+            if target not in filled and not (target in self.tied and self.tied[target] in filled):
+                missing.append(target)
+        for path, E in self.num_experts.items():
+            for proj in ("gate_proj", "up_proj", "down_proj"):
+                fused = (path, "gate_up_proj" if proj != "down_proj" else "down_proj", None)
+                if fused in weights:
+                    if any((path, proj, e) in weights for e in range(E)):
+                        raise ValueError(f"checkpoint: {path}.{proj} is stored both fused and per expert")
+                    continue
+                lacking = [e for e in range(E) if (path, proj, e) not in weights]
+                if lacking:
+                    missing.append(f"{path}.{{{_ranges(lacking)}}}.{proj}.weight (expert {proj} of {path})")
+        if missing:
+            raise ValueError(f"checkpoint: {len(missing)} weight(s) of the model missing: {_names(missing)}")
+
+
+def _logical_shape(parts: dict) -> tuple:
+    if "packed" in parts:
+        out, words = parts["packed"].shape
+        return (out, 8 * words)
+    return tuple(parts["value"].shape)
+
+
+class _Loader:
+    """Reads the planned weights shard by shard and writes each where it ends."""
+
+    def __init__(self, model: nn.Module, plan: _Plan, experts: dict, device: torch.device):
+        self.model, self.plan, self.experts, self.device = model, plan, experts, device
+        self.readers: dict[str, ShardReader] = {}
+        self.stats = {"tensors_read": 0, "expert_tensors_read": 0, "bytes_read": 0}
+
+    def load(self, weights: list[_Weight], progress: bool) -> None:
+        from transformers.utils.logging import tqdm
+
+        order = {f: i for i, f in enumerate(dict.fromkeys(w.first_file for w in weights))}
+        weights = sorted(weights, key=lambda w: (order[w.first_file], w.name))
+        with tqdm(total=sum(w.nbytes for w in weights), unit="B", unit_scale=True, desc="Loading checkpoint",
+                  disable=not progress) as bar:
+            current = None
+            for weight in weights:
+                file = weight.first_file
+                if file != current and current is not None:
+                    self.readers.pop(current).close()  # done with that shard: drop its mapping
+                current = file
+                if weight.slot is None:
+                    self._load_param(weight)
+                else:
+                    self._load_expert(weight)
+                bar.update(weight.nbytes)
+        for reader in self.readers.values():
+            reader.close()
+        self.model.kt_load_stats = self.stats
+
+    def _read(self, ref: TensorRef, index: Optional[int] = None, expert: bool = False) -> torch.Tensor:
+        reader = self.readers.setdefault(ref.file, ShardReader(ref.file))
+        tensor = reader.read(ref, index)
+        self.stats["tensors_read"] += 1
+        self.stats["expert_tensors_read"] += int(expert)
+        self.stats["bytes_read"] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    def _stored(self, weight: _Weight, index: Optional[int] = None, expert: bool = False,
+                name: Optional[str] = None) -> StoredMatrix:
+        name = name or weight.name
+        parts = {role: self._read(ref, index if role == "value" else None, expert)
+                 for role, ref in weight.sources[name].items()}
+        matrix = StoredMatrix.from_parts(parts, name)
+        matrix.check(name)
+        return matrix
+
+    def _value(self, weight: _Weight, name: str) -> torch.Tensor:
+        matrix = self._stored(weight, name=name)
+        return matrix.to_float() if matrix.fmt else matrix.data
+
+    def _load_param(self, weight: _Weight) -> None:
+        from accelerate.utils import set_module_tensor_to_device
+
+        if weight.converter is None:
+            values = {weight.target: self._value(weight, weight.name)}
+        else:  # transformers' own ops (merge, split, permute...) on the stored tensors
+            converter = copy.deepcopy(weight.converter)
+            for name in sorted(weight.sources, key=_natural_key):
+                value = self._value(weight, name)
+                converter.add_tensor(weight.target, name, weight.patterns[name], lambda v=value: v)
+            values = converter.convert(weight.target, model=self.model, config=self.model.config)
+        for target, value in values.items():
+            expected = self.plan.meta_state.get(target)
+            if expected is None or tuple(value.shape) != tuple(expected.shape):
+                raise ValueError(f"checkpoint: {_names(list(weight.sources))} make {target} of shape {list(value.shape)}; "
+                                 f"the model's is {None if expected is None else list(expected.shape)}")
+            with torch.no_grad():
+                set_module_tensor_to_device(self.model, target, self.device, value=value, dtype=self.plan.dtype_of(target))
+            module_path, _, leaf = target.rpartition(".")
+            param = self.model.get_submodule(module_path)._parameters.get(leaf)
+            if param is not None:  # as transformers' loader: every loaded float parameter trains
+                param.requires_grad_(param.is_floating_point())
+
+    def _load_expert(self, weight: _Weight) -> None:
+        slot = weight.slot
+        kt = self.experts[slot.path]
+        I = kt.intermediate_size
+        if slot.expert is not None:
+            self._write(kt, slot.proj, slot.expert, self._stored(weight, expert=True), weight.name)
+            return
+        ref = weight.parts["value"]
+        if ref.shape[0] != kt.num_experts:
+            raise ValueError(f"checkpoint: {ref.key} holds {ref.shape[0]} experts; the model has {kt.num_experts}")
+        for e in range(kt.num_experts):  # one expert at a time: a fused tensor is never read whole
+            m = self._stored(weight, index=e, expert=True).data
+            if slot.transposed:
+                m = m.t()
+            name = f"{ref.key}[{e}]"
+            if slot.proj == "gate_up_proj":
+                self._write(kt, "gate_proj", e, StoredMatrix(m[:I]), name)
+                self._write(kt, "up_proj", e, StoredMatrix(m[I:]), name)
+            else:
+                self._write(kt, "down_proj", e, StoredMatrix(m), name)
+
+    @staticmethod
+    def _write(kt, proj: str, e: int, matrix: StoredMatrix, name: str) -> None:
+        data = getattr(kt, proj)
+        want = (kt.intermediate_size, kt.hidden_size) if proj != "down_proj" else (kt.hidden_size, kt.intermediate_size)
+        if matrix.shape != want:
+            raise ValueError(f"checkpoint: {name} has shape {list(matrix.shape)}; expert {proj} is {list(want)}")
+        with torch.no_grad():
+            if kt.expert_format is None:
+                data[e].copy_(matrix.to_float())
+                return
+            scale = getattr(kt, proj.replace("proj", "scale"))
+            if matrix.fmt == kt.expert_format and matrix.scale.shape == scale.shape[1:]:
+                data[e].copy_(matrix.data)  # stored in kt's own format: copied as is
+                scale[e].copy_(matrix.scale)
+                return
+            # Through the model's dtype first, as from_pretrained(dtype) + patch_model would quantize it.
+            q, s = quantization.quantize(matrix.to_float().to(kt.expert_dtype).unsqueeze(0), kt.expert_format, kt.group_size,
+                                         scale_dtype=scale.dtype, name=name)
+            data[e].copy_(q[0])
+            scale[e].copy_(s[0])
+
+
+def _move_buffers(model: nn.Module, device: torch.device) -> None:
+    """The buffers computed at construction (rotary frequencies, ...) go where the weights went."""
+    for module in model.modules():
+        for name, buf in module._buffers.items():
+            if buf is not None and buf.device != device and buf.device.type != "meta":
+                module._buffers[name] = buf.to(device)
+
+
+def _attach_generation_config(model: nn.Module, path: str) -> None:
+    if not os.path.isfile(os.path.join(path, "generation_config.json")) or not hasattr(model, "generation_config"):
+        return
+    from transformers import GenerationConfig
+
+    model.generation_config = GenerationConfig.from_pretrained(path)
+
+
+def _natural_key(name: str):
+    """Sort key putting ``experts.10`` after ``experts.9``."""
+    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` -> ``"0-2,5"``."""
+    out, start = [], values[0]
+    for a, b in zip(values, values[1:] + [None]):
+        if b != a + 1:
+            out.append(str(start) if start == a else f"{start}-{a}")
+            start = b
+    return ",".join(out)
+
+
+def _names(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f", ... ({len(names) - limit} more)" if len(names) > limit else "")

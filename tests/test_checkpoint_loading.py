@@ -1,0 +1,263 @@
+"""kt_ops.hf.from_pretrained: checkpoints as they ship, straight into the patched model.
+
+* float checkpoints (per expert as save_pretrained writes them, fused, sharded; fp32 and bf16):
+  the same model as transformers' from_pretrained + patch_model (every tensor equal, LoRA
+  included, equal logits), for Qwen3-MoE, DeepSeek-V3 and every covered family;
+* FP8 block and compressed-tensors INT4 checkpoints written by the tests: the logits of the
+  float checkpoint of their dequantized values; kept in their format they are copied as stored
+  (the quantizer is never called, the bytes are the checkpoint's); requantized as asked;
+* what goes wrong is named: a missing expert, an extra tensor, a wrong shape, an FP8 weight
+  without its scale, a quantization kt_ops does not read.
+"""
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+import kt_ops  # noqa: E402
+import checkpoint_samples as samples  # noqa: E402
+from kt_ops import quantization  # noqa: E402
+from kt_ops.hf import from_pretrained  # noqa: E402
+from kt_ops.hf.patch import patched_experts  # noqa: E402
+from test_hf_patching import rel_err  # noqa: E402
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
+
+
+def reference(path, dtype, seed=0, model_class=None, **patch_kwargs):
+    """transformers' from_pretrained + patch_model, the LoRA drawn from ``seed``."""
+    cls = model_class or transformers.AutoModelForCausalLM
+    model = cls.from_pretrained(path, dtype=dtype)
+    torch.manual_seed(seed)
+    return kt_ops.patch_model(model, **patch_kwargs)
+
+
+def loaded(path, seed=0, **kwargs):
+    torch.manual_seed(seed)
+    return from_pretrained(path, progress=False, **kwargs)
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids, use_cache=False).logits.float()
+
+
+def assert_same_model(a, b):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert sa[k].dtype == sb[k].dtype and sa[k].shape == sb[k].shape, k
+        assert torch.equal(sa[k], sb[k]), k
+    assert [(n, p.requires_grad) for n, p in a.named_parameters()] == [(n, p.requires_grad) for n, p in b.named_parameters()]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("layout", ["per_expert", "fused", "sharded"])
+def test_float_checkpoint_is_the_patched_model(tmp_path, layout, dtype):
+    model = samples.tiny_qwen3_moe(dtype)
+    kwargs = {"save_original_format": False} if layout == "fused" else {}
+    if layout == "sharded":
+        kwargs["max_shard_size"] = "40KB"  # several shards; a weight and its neighbours apart
+    model.save_pretrained(tmp_path, **kwargs)
+    if layout == "sharded":
+        assert len(set(json.load(open(tmp_path / "model.safetensors.index.json"))["weight_map"].values())) > 3
+    ours = loaded(tmp_path, lora_rank=4, lora_alpha=8)
+    ref = reference(tmp_path, dtype, lora_rank=4, lora_alpha=8)
+    assert_same_model(ours, ref)
+    ids = samples.input_ids()
+    assert torch.equal(logits(ours, ids), logits(ref, ids))
+    assert not ours.training and ours.generation_config is not None
+
+
+def test_deepseek_v3_with_lora_trains(tmp_path):
+    model = samples.tiny_deepseek_v3()
+    model.save_pretrained(tmp_path)
+    ours = loaded(tmp_path, lora_rank=4)
+    ref = reference(tmp_path, torch.float32, lora_rank=4)
+    assert_same_model(ours, ref)
+    ids = samples.input_ids()
+    ours.train()
+    for n, p in ours.named_parameters():
+        p.requires_grad_("lora" in n)
+    loss = ours(input_ids=ids, labels=ids, use_cache=False).loss
+    loss.backward()
+    grads = [p.grad for n, p in ours.named_parameters() if "lora_a" in n or "lora_b" in n]
+    assert grads and all(g is not None for g in grads) and any(g.abs().sum() > 0 for g in grads)
+
+
+@pytest.mark.parametrize("expert_format", ["fp8", None, "int4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_checkpoint(tmp_path, monkeypatch, expert_format, dtype):
+    samples.tiny_deepseek_v3(dtype).save_pretrained(tmp_path / "float")
+    samples.write_fp8(tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized")
+    if expert_format == "fp8":  # copied as stored: quantizing anything would be a detour
+        monkeypatch.setattr(quantization, "quantize", _no_quantize)
+    ours = loaded(tmp_path / "fp8", expert_format=expert_format, dtype=dtype)
+    monkeypatch.undo()
+    # kept as stored: against float experts holding its values; else what patch_model makes of them
+    ref = reference(tmp_path / "dequantized", dtype, expert_format=None if expert_format == "fp8" else expert_format)
+    ids = samples.input_ids()
+    assert rel_err(logits(ours, ids), logits(ref, ids)) <= TOL[dtype]
+    if expert_format == "fp8":
+        name, kt = patched_experts(ours)[0]
+        stored = _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight")
+        assert torch.equal(kt.up_proj[2].view(torch.uint8), stored.view(torch.uint8))
+        assert torch.equal(kt.up_scale[2], _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight_scale_inv"))
+    else:  # requantized (or dequantized) from the FP8 values: what patch_model makes of them
+        assert_same_model(ours, ref)
+
+
+@pytest.mark.parametrize("expert_format", ["int4", None, "int8"])
+def test_compressed_tensors_int4_checkpoint(tmp_path, monkeypatch, expert_format):
+    samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
+    samples.write_int4(tmp_path / "float", tmp_path / "int4", tmp_path / "dequantized")
+    if expert_format == "int4":
+        monkeypatch.setattr(quantization, "quantize", _no_quantize)  # no detour through bf16
+    ours = loaded(tmp_path / "int4", expert_format=expert_format)
+    monkeypatch.undo()
+    ref = reference(tmp_path / "dequantized", torch.float32, expert_format=None if expert_format == "int4" else expert_format)
+    ids = samples.input_ids()
+    assert rel_err(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    name, kt = patched_experts(ours)[1]
+    if expert_format == "int4":
+        assert kt.group_size == 32  # the checkpoint's
+        packed = _stored(tmp_path / "int4", f"{name}.3.down_proj.weight_packed")
+        assert torch.equal(kt.down_proj[3], packed.view(torch.uint8))
+        assert torch.equal(kt.down_scale[3], _stored(tmp_path / "int4", f"{name}.3.down_proj.weight_scale"))
+    else:
+        assert_same_model(ours, ref)
+
+
+def test_int4_checkpoint_into_other_groups(tmp_path):
+    samples.tiny_qwen3_moe(moe_intermediate_size=64).save_pretrained(tmp_path / "float")
+    samples.write_int4(tmp_path / "float", tmp_path / "int4", tmp_path / "dequantized")
+    ours = loaded(tmp_path / "int4", expert_format="int4", group_size=64)
+    ref = reference(tmp_path / "dequantized", torch.float32, expert_format="int4", group_size=64)
+    assert_same_model(ours, ref)
+
+
+def _no_quantize(*args, **kwargs):
+    raise AssertionError("quantize called: the checkpoint's format should have been copied as stored")
+
+
+def _stored(path, key):
+    from safetensors import safe_open
+    from kt_ops.hf.shards import shard_files
+
+    for file in shard_files(str(path)):
+        with safe_open(file, "pt") as f:
+            if key in f.keys():
+                return f.get_tensor(key)
+    raise KeyError(key)
+
+
+# --------------------------------------------------------------------------- errors
+
+@pytest.fixture(scope="module")
+def float_checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("float")
+    samples.tiny_qwen3_moe().save_pretrained(path)
+    return path
+
+
+def _edited(src, dst, transform, quantization_config=None):
+    samples.rewrite(str(src), str(dst), transform, quantization_config)
+    return dst
+
+
+def test_missing_expert_is_named(float_checkpoint, tmp_path):
+    drop = "model.layers.1.mlp.experts.2.up_proj.weight"
+    path = _edited(float_checkpoint, tmp_path / "c", lambda k, t: {} if k == drop else {k: t})
+    with pytest.raises(ValueError, match=r"missing: model\.layers\.1\.mlp\.experts\.\{2\}\.up_proj\.weight"):
+        from_pretrained(path, progress=False)
+
+
+def test_missing_weight_is_named(float_checkpoint, tmp_path):
+    drop = "model.layers.0.self_attn.k_norm.weight"
+    path = _edited(float_checkpoint, tmp_path / "c", lambda k, t: {} if k == drop else {k: t})
+    with pytest.raises(ValueError, match=r"missing: model\.layers\.0\.self_attn\.k_norm\.weight"):
+        from_pretrained(path, progress=False)
+
+
+def test_extra_tensor_is_named(float_checkpoint, tmp_path):
+    def add(k, t):
+        return {k: t, "model.layers.0.mlp.extra_bias": torch.zeros(3)} if k.endswith("layers.0.input_layernorm.weight") \
+            else {k: t}
+    path = _edited(float_checkpoint, tmp_path / "c", add)
+    with pytest.raises(ValueError, match=r"no place for: model\.layers\.0\.mlp\.extra_bias"):
+        from_pretrained(path, progress=False)
+
+
+def test_expert_out_of_range_is_named(float_checkpoint, tmp_path):
+    def add(k, t):
+        if k == "model.layers.0.mlp.experts.0.down_proj.weight":
+            return {k: t, "model.layers.0.mlp.experts.9.down_proj.weight": t.clone()}
+        return {k: t}
+    path = _edited(float_checkpoint, tmp_path / "c", add)
+    with pytest.raises(ValueError, match=r"experts\.9\.down_proj\.weight: expert 9, but .* has 4 experts"):
+        from_pretrained(path, progress=False)
+
+
+@pytest.mark.parametrize("key,what", [("model.layers.0.mlp.experts.1.gate_proj.weight", "of one expert"),
+                                      ("model.layers.1.self_attn.q_proj.weight", "the model's")])
+def test_wrong_shape_is_named(float_checkpoint, tmp_path, key, what):
+    path = _edited(float_checkpoint, tmp_path / "c", lambda k, t: {k: t[:, :-1].contiguous() if k == key else t})
+    with pytest.raises(ValueError, match=rf"{key.replace('.', '[.]')} has shape .*{what}"):
+        from_pretrained(path, progress=False)
+
+
+def test_fp8_weight_without_scale_is_named(float_checkpoint, tmp_path):
+    samples.write_fp8(float_checkpoint, tmp_path / "fp8", tmp_path / "ref")
+    key = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    path = _edited(tmp_path / "fp8", tmp_path / "c", lambda k, t: {} if k == key + "_scale_inv" else {k: t},
+                   samples.FP8_CONFIG)
+    with pytest.raises(ValueError, match=rf"{key.replace('.', '[.]')} is float8_e4m3fn without .*_scale_inv"):
+        from_pretrained(path, progress=False)
+
+
+@pytest.mark.parametrize("config,match", [
+    ({"quant_method": "gptq", "bits": 4}, r"quant_method is 'gptq'"),
+    ({**samples.FP8_CONFIG, "weight_block_size": [64, 64]}, r"weight_block_size is \[64, 64\]"),
+    ({**samples.int4_config(), "config_groups": {"g": {**samples.int4_config()["config_groups"]["group_0"],
+      "weights": {**samples.int4_config()["config_groups"]["group_0"]["weights"], "symmetric": False}}}},
+     r"config_groups\.g\.weights\.symmetric is False"),
+])
+def test_unknown_quantization_is_named(float_checkpoint, tmp_path, config, match):
+    path = _edited(float_checkpoint, tmp_path / "c", lambda k, t: {k: t}, config)
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(path, progress=False)
+
+
+def test_not_a_checkpoint(tmp_path):
+    with pytest.raises(ValueError, match="local checkpoint directory"):
+        from_pretrained(tmp_path / "nope")
+    shutil.copy(os.devnull, tmp_path / "config.json")
+    with pytest.raises(ValueError, match="no model.safetensors"):
+        from_pretrained(tmp_path)
+
+
+# --------------------------------------------------------------------------- every family
+
+def _covered_families():
+    from hf_families import classify, discover
+
+    return [f for f in discover() if classify(f)[0] == "covered"]
+
+
+@pytest.mark.parametrize("family", _covered_families(), ids=lambda f: f.name)
+def test_every_covered_family_loads(tmp_path, family):
+    """save_pretrained's checkpoint (the family's hub layout, through transformers' conversion
+    mapping) gives the model from_pretrained + patch_model gives."""
+    from hf_families import input_ids as family_ids, run, tiny_model
+
+    tiny_model(family).save_pretrained(tmp_path)
+    ours = loaded(tmp_path, lora_rank=2)
+    ref = reference(tmp_path, torch.float32, model_class=family.model_class, lora_rank=2)
+    assert_same_model(ours, ref)
+    ids = family_ids()
+    with torch.no_grad():  # equal tensors; the linear-attention families' reference kernels round by alignment
+        assert rel_err(run(ours, ids).logits, run(ref, ids).logits) <= 1e-6
