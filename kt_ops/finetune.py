@@ -55,6 +55,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kt_ops
+from kt_ops import quantization
 from kt_ops.tokenizer import ByteTokenizer
 
 # The built-in demo model: Qwen3-MoE architecture, small enough for a few minutes on 2 cores.
@@ -91,8 +92,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         epilog="Several processes: torchrun --nproc-per-node N -m kt_ops.finetune ... (gloo; the "
                "experts live on rank 0).")
     p.add_argument("--model", default=None,
-                   help="local model directory for AutoModelForCausalLM.from_pretrained (a hub id "
-                        "only works online); default: the built-in small Qwen3-MoE model")
+                   help="local checkpoint directory (safetensors: bf16/fp32, FP8 blocks or "
+                        "compressed-tensors INT4), loaded shard by shard by kt_ops.hf.from_pretrained; "
+                        "default: the built-in small Qwen3-MoE model")
     p.add_argument("--model-config", default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
                    help="overrides of the built-in model's Qwen3MoeConfig, e.g. "
                         "'num_hidden_layers=2,hidden_size=128' (not with --model)")
@@ -112,6 +114,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="model init, LoRA init and data order (default: %(default)s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32",
                    help="model dtype: experts, LoRA and the rest (default: %(default)s)")
+    p.add_argument("--expert-format", choices=quantization.FORMATS, default=None,
+                   help="keep the frozen base experts quantized (fp8 blocks, int8, int4); an FP8 / INT4 "
+                        "checkpoint's experts are then copied as stored; default: the model dtype")
+    p.add_argument("--group-size", type=int, choices=quantization.GROUP_SIZES, default=None,
+                   help="int4's input columns per scale (default: the checkpoint's, else 32)")
     p.add_argument("--threads", type=int, default=None,
                    help="torch threads per process; default: torch's (follows OMP_NUM_THREADS)")
     p.add_argument("--backend", choices=BACKENDS, default="inductor",
@@ -142,6 +149,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             re.compile(args.also_train)
         except re.error as e:
             p.error(f"--also-train: not a regular expression: {e}")
+    if args.group_size is not None and args.expert_format != "int4":
+        p.error("--group-size is for --expert-format int4")
     if args.model_config is not None:
         if args.model:
             p.error("--model-config changes the built-in model; it cannot be combined with --model")
@@ -265,13 +274,22 @@ def build_base_model(args, experts_implementation: Optional[str] = None) -> nn.M
 
 
 def build_kt_model(args, base: Optional[nn.Module] = None) -> nn.Module:
-    """The model with its MoE blocks replaced by KTMoE blocks (LoRA on the experts, experts
-    owned by rank 0); only the expert LoRA trains, plus the parameters ``--also-train`` names.
-    The LoRA initialisation is drawn from ``--seed`` (the same on every rank)."""
-    model = base if base is not None else build_base_model(args)
-    torch.manual_seed(args.seed + 1)
-    model = kt_ops.patch_model(model, lora_rank=args.lora_rank, lora_alpha=args.lora_alpha,
-                               train_base=False, owner_rank=0)
+    """The model with its experts on kt (LoRA on the experts, experts owned by rank 0); only the
+    expert LoRA trains, plus the parameters ``--also-train`` names. The LoRA initialisation is
+    drawn from ``--seed`` (the same on every rank). With ``--model`` (and no ``base``) the
+    checkpoint is read shard by shard straight into the patched model
+    (:func:`kt_ops.hf.from_pretrained`): the unpatched model is never materialised."""
+    patch = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, train_base=False, owner_rank=0,
+                 expert_format=args.expert_format, group_size=args.group_size)
+    if base is None and args.model:
+        torch.manual_seed(args.seed + 1)  # the LoRA draws, as below
+        model = kt_ops.hf.from_pretrained(args.model, dtype=DTYPES[args.dtype], device="cpu",
+                                          progress=not args.no_progress, **patch)
+        model.config.use_cache = False
+    else:
+        model = base if base is not None else build_base_model(args)
+        torch.manual_seed(args.seed + 1)
+        model = kt_ops.patch_model(model, **patch)
     experts = expert_parameters(model)
     for name, p in model.named_parameters():
         if id(p) not in experts:
@@ -512,10 +530,10 @@ def _run(args, ddp: Dist) -> FinetuneResult:
     if args.compare_eager and ddp.world_size > 1:
         raise ValueError("--compare-eager runs in a single process only")
 
-    base = build_base_model(args)
-    tokens, tokenizer_info = load_tokens(args, args.model, base.config.vocab_size)
-    offsets = batch_offsets(len(tokens), args.seq_len, args.batch_size, args.steps, args.seed)
+    base = None if args.model else build_base_model(args)
     model = build_kt_model(args, base)
+    tokens, tokenizer_info = load_tokens(args, args.model, model.config.vocab_size)
+    offsets = batch_offsets(len(tokens), args.seq_len, args.batch_size, args.steps, args.seed)
     init_lora = None
     if args.compare_eager:  # the kt LoRA initialisation, in PEFT's layout
         from kt_ops.hf.adapters import adapter_state_dict

@@ -261,3 +261,108 @@ def test_every_covered_family_loads(tmp_path, family):
     ids = family_ids()
     with torch.no_grad():  # equal tensors; the linear-attention families' reference kernels round by alignment
         assert rel_err(run(ours, ids).logits, run(ref, ids).logits) <= 1e-6
+
+
+# --------------------------------------------------------------------------- two ranks
+
+def _load_on_rank(rank, world_size, path, ids):
+    """One rank of a 2-rank load: every tensor whose data it reads is recorded (safetensors'
+    get_tensor, or slicing a get_slice: reading a header is not reading data)."""
+    import kt_ops.hf.shards as shards
+
+    read = []
+    real_open = shards.safe_open
+
+    class RecordingSlice:
+        def __init__(self, key, s):
+            self.key, self.s = key, s
+
+        def __getitem__(self, index):
+            read.append(self.key)
+            return self.s[index]
+
+        def __getattr__(self, name):
+            return getattr(self.s, name)
+
+    class RecordingOpen:
+        def __init__(self, *args, **kwargs):
+            self.f = real_open(*args, **kwargs)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def keys(self):
+            return self.f.keys()
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.f.get_tensor(key)
+
+        def get_slice(self, key):
+            return RecordingSlice(key, self.f.get_slice(key))
+
+    shards.safe_open = RecordingOpen
+    model = from_pretrained(path, lora_rank=2, progress=False)
+    experts = patched_experts(model)
+    held = sum(kt.expert_nbytes() for _, kt in experts)
+    expert_params = [n for n, p in model.named_parameters() if ".experts." in n and p.numel() > 1]
+    with torch.no_grad():
+        out = model(input_ids=ids, use_cache=False).logits
+    return read, held, expert_params, out
+
+
+def test_two_ranks_only_the_owner_reads_experts(tmp_path):
+    from distributed_harness import check_all_ok, run_ranks
+
+    samples.tiny_qwen3_moe().save_pretrained(tmp_path, max_shard_size="60KB")
+    ids = samples.input_ids()
+    with torch.no_grad():
+        want = loaded(tmp_path, lora_rank=2)(input_ids=ids, use_cache=False).logits
+    (read0, held0, params0, out0), (read1, held1, params1, out1) = check_all_ok(
+        run_ranks(_load_on_rank, 2, str(tmp_path), ids, timeout_s=180))
+    expert_keys = [k for k in read0 if samples.EXPERT_KEY.search(k)]
+    assert len(expert_keys) == 2 * 4 * 3  # the owner read every expert matrix once
+    assert [k for k in read1 if ".experts." in k] == []  # rank 1 read none
+    assert len(read1) == len(read0) - len(expert_keys)  # ... and every other tensor
+    assert held0 > 0 and held1 == 0 and params1 == []
+    assert rel_err(out0, want) <= 1e-6 and rel_err(out1, want) <= 1e-6
+
+
+def test_progress_bar_and_read_counts(float_checkpoint, capsys):
+    model = from_pretrained(float_checkpoint)
+    assert "Loading checkpoint" in capsys.readouterr().err
+    stats = model.kt_load_stats
+    assert stats["expert_tensors_read"] == 2 * 4 * 3
+    assert stats["bytes_read"] == os.path.getsize(float_checkpoint / "model.safetensors") - _header_bytes(
+        float_checkpoint / "model.safetensors")
+
+
+def _header_bytes(file):
+    with open(file, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_shard_reader_remaps_after_remap_bytes(float_checkpoint):
+    """The mapping is dropped and reopened once remap_bytes were read from it (touched pages
+    of a mapping stay resident until it closes)."""
+    from kt_ops.hf.shards import ShardReader, tensor_refs
+
+    file = str(float_checkpoint / "model.safetensors")
+    refs = sorted(tensor_refs(file), key=lambda r: r.key)[:6]
+    reader = ShardReader(file, remap_bytes=1)  # every read fills the budget
+    handles = []
+    for ref in refs:
+        value = reader.read(ref)
+        assert tuple(value.shape) == ref.shape
+        handles.append(reader._handle)  # kept alive: ids stay distinct
+    assert len({id(h) for h in handles}) == 6
+    assert reader.tensors_read == 6 and reader.bytes_read == sum(r.nbytes for r in refs)
+    reader = ShardReader(file, remap_bytes=sum(r.nbytes for r in refs))  # room for all six: one mapping
+    handles = []
+    for ref in refs:
+        reader.read(ref)
+        handles.append(reader._handle)
+    assert len({id(h) for h in handles}) == 1

@@ -87,15 +87,26 @@ def test_inductor_backend_runs_experts_once_per_layer_and_step(tmp_path):
     assert dict(_kernels.calls) == {"moe_forward": layers * steps, "moe_backward": layers * steps}
 
 
-def test_local_model_directory_without_checkpointing(tmp_path):
-    """--model loads a saved model (no tokenizer files: the byte tokenizer is used)."""
+@pytest.mark.parametrize("expert_format", [None, "int8"])
+def test_local_model_directory_without_checkpointing(tmp_path, monkeypatch, expert_format):
+    """--model streams a saved model through kt_ops.hf.from_pretrained (never
+    AutoModelForCausalLM.from_pretrained), optionally quantizing the experts (no tokenizer
+    files: the byte tokenizer is used)."""
     base = finetune.build_base_model(finetune.parse_args(TINY))
     base.save_pretrained(tmp_path / "model")
+    import transformers
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the unpatched model was materialised")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", refuse)
+    fmt = ["--expert-format", expert_format] if expert_format else []
     result = finetune.run(["--model", str(tmp_path / "model"), "--seq-len", "16", "--batch-size", "2",
                            "--steps", "2", "--backend", "none", "--no-checkpointing", "--no-progress",
-                           "--output-dir", str(tmp_path / "out")])
+                           "--output-dir", str(tmp_path / "out"), *fmt])
     assert result.summary["tokenizer"]["type"] == "kt_ops.tokenizer.ByteTokenizer"
     assert (tmp_path / "out" / "adapter_model.safetensors").is_file()
+    assert all(map(torch.isfinite, torch.tensor(result.kt.losses)))
 
 
 def test_torchrun_two_processes_match_single_process(tmp_path):

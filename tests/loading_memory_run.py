@@ -1,0 +1,71 @@
+"""Peak memory of loading a checkpoint, in a fresh process (ru_maxrss is per process).
+
+    python tests/loading_memory_run.py make DIR          # a Qwen3-MoE of >= 1 GiB in bf16, saved
+    python tests/loading_memory_run.py kt DIR OUT.json   # kt_ops.hf.from_pretrained(expert_format="int4")
+    python tests/loading_memory_run.py hf DIR OUT.json   # from_pretrained + patch_model(expert_format="int4")
+
+``kt`` and ``hf`` write the peak and final resident sizes, the largest layer's bf16 expert
+bytes and the logits of a fixed input to OUT.json / OUT.pt.
+"""
+import json
+import resource
+import sys
+import time
+
+import torch
+
+# hidden 1024, 64 experts of intermediate 512, 6 layers: 1.13 GiB of bf16 experts
+CONFIG = dict(vocab_size=1024, hidden_size=1024, intermediate_size=2048, moe_intermediate_size=512,
+              num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, head_dim=128, num_experts=64,
+              num_experts_per_tok=4, tie_word_embeddings=False, max_position_embeddings=128)
+
+
+def resident_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+
+
+def peak_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def make(path: str) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(Qwen3MoeConfig(**CONFIG), dtype=torch.bfloat16)
+    model.save_pretrained(path)  # transformers' default shard size: one big shard
+
+
+def load(kind: str, path: str, out: str) -> None:
+    import kt_ops
+
+    start = time.perf_counter()
+    baseline = resident_bytes()
+    if kind == "kt":
+        model = kt_ops.hf.from_pretrained(path, expert_format="int4", progress=False)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        model = kt_ops.patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16),
+                                   expert_format="int4")
+    seconds = time.perf_counter() - start
+    peak, final = peak_bytes(), resident_bytes()
+    ids = torch.arange(16).reshape(2, 8)
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits.float()
+    torch.save(logits, out.replace(".json", ".pt"))
+    c = CONFIG
+    layer_bf16 = c["num_experts"] * 3 * c["hidden_size"] * c["moe_intermediate_size"] * 2
+    experts = sum(kt.expert_nbytes() for _, kt in kt_ops.hf.patched_experts(model))
+    with open(out, "w") as f:
+        json.dump({"peak": peak, "final": final, "baseline": baseline, "layer_bf16_experts": layer_bf16,
+                   "expert_bytes": experts, "bf16_expert_bytes": layer_bf16 * c["num_hidden_layers"],
+                   "seconds": seconds}, f)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "make":
+        make(sys.argv[2])
+    else:
+        load(sys.argv[1], sys.argv[2], sys.argv[3])
