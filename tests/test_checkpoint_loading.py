@@ -73,6 +73,14 @@ def test_float_checkpoint_is_the_patched_model(tmp_path, layout, dtype):
     assert not ours.training and ours.generation_config is not None
 
 
+def test_fp16_checkpoint_into_another_dtype(tmp_path):
+    samples.tiny_qwen3_moe(torch.float16).save_pretrained(tmp_path)
+    ours = loaded(tmp_path, dtype=torch.float32, expert_format="int8")
+    ref = reference(tmp_path, torch.float32, expert_format="int8")
+    assert_same_model(ours, ref)
+    assert ours.model.embed_tokens.weight.dtype == torch.float32
+
+
 def test_deepseek_v3_with_lora_trains(tmp_path):
     model = samples.tiny_deepseek_v3()
     model.save_pretrained(tmp_path)

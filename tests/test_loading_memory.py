@@ -35,7 +35,7 @@ def test_streaming_load_peak_memory(tmp_path):
     bound = kt["final"] + 2 * kt["layer_bf16_experts"] + 256 * MiB
     print(f"\ncheckpoint {size / MiB:.0f} MiB (bf16); int4 experts {kt['expert_bytes'] / MiB:.0f} MiB\n"
           f"kt_ops.hf.from_pretrained: peak {kt['peak'] / MiB:.0f} MiB, final {kt['final'] / MiB:.0f} MiB, "
-          f"bound {bound / MiB:.0f} MiB, {kt['seconds']:.1f} s\n"
+          f"bound {bound / MiB:.0f} MiB, {kt['seconds']:.1f} s, resident before loading {kt['baseline'] / MiB:.0f} MiB\n"
           f"from_pretrained + patch_model: peak {hf['peak'] / MiB:.0f} MiB, final {hf['final'] / MiB:.0f} MiB, "
           f"{hf['seconds']:.1f} s")
     assert kt["expert_bytes"] == hf["expert_bytes"] and kt["expert_bytes"] <= 0.3 * kt["bf16_expert_bytes"]
