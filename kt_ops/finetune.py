@@ -4,17 +4,21 @@
     python -m kt_ops.finetune --compare-eager        # ... and the same run with HF's experts + PEFT
     torchrun --nproc-per-node 2 -m kt_ops.finetune   # 2 ranks (gloo); experts live on rank 0
 
-The model's MoE blocks are replaced by KTMoE blocks (``kt_ops.patch_model``) with LoRA on the
-routed experts; everything else is frozen. The training step (forward + loss) runs under
-``torch.compile(fullgraph=True)`` (``--backend``, inductor by default) with activation
-checkpointing under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU experts and the
-collectives run once per step, attention and norms are recomputed; ``--no-checkpointing``).
+The model's experts are moved onto kt (``kt_ops.patch_model``, or ``kt_ops.hf.from_pretrained``
+straight from a ``--model`` checkpoint) with LoRA on the routed experts; everything else is
+frozen. Training is a stock ``transformers.Trainer`` (``kt_ops.finetune_trainer``): AdamW,
+constant learning rate, gradient clipping, checkpoints (``--save-steps``, ``--resume``); the
+model is compiled by accelerate with ``torch.compile(fullgraph=True)`` (``--backend``, inductor
+by default) and checkpointed under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU
+experts and the collectives run once per step, attention and norms are recomputed;
+``--no-checkpointing``).
 
 Without ``--model`` it trains a small Qwen3-MoE-architecture model (random init, built from
 ``Qwen3MoeConfig``; see ``DEFAULT_MODEL_CONFIG``) on the public-domain corpus shipped in
 ``kt_ops/data/corpus.txt`` with a byte-level tokenizer (``kt_ops.tokenizer``); nothing is
 downloaded. Batches are windows of ``--seq-len + 1`` tokens at random offsets drawn from
-``--seed``: both runs of ``--compare-eager`` and every rank see the same data in the same order.
+``--seed`` (the model predicts the last ``--seq-len`` of each), taken in order by the Trainer:
+both runs of ``--compare-eager`` and every rank see the same data in the same order.
 
 Outputs (rank 0, in ``--output-dir``): the adapter (``kt_ops.save_adapter``, PEFT format),
 ``loss_curve.png`` and ``summary.json`` (losses, step times, tokens/s, settings); with
@@ -30,32 +34,32 @@ writes and ``kt_ops.load_adapter`` reads: ``LoraConfig(r, lora_alpha, target_par
 kt_ops initialisation. The printout gives the speedup (steady-state tokens/s, first step
 excluded) and the per-step difference of the two loss curves.
 
-Multi-process (``WORLD_SIZE > 1``, e.g. torchrun): the process group (gloo) is set up from
-torchrun's environment; ``--batch-size`` is the global batch and each rank trains on its own
-contiguous shard of it. The experts and their LoRA live on rank 0 only (KTMoE gives them the
-DDP average of every rank's gradient); gradients of the other trainable parameters
-(``--also-train``) are all-reduced (averaged) by hand. The printed/recorded loss is the mean over ranks, which equals
-the single-process loss on the same global batch.
+Multi-process (``WORLD_SIZE > 1``, e.g. torchrun): the Trainer sets up the process group
+(NCCL when the ranks have GPUs, gloo on CPU) and wraps the model in DDP; ``--batch-size`` is the
+global batch and each rank trains on its own contiguous shard of it. The experts and their LoRA
+live on rank 0 only (KTMoE gives them the DDP average of every rank's gradient and keeps them
+out of DDP); DDP averages the gradients of the other trainable parameters (``--also-train``).
+A rank with nothing of its own to train still runs the backward the owner waits for (KTMoE's
+grad anchor). The printed/recorded loss is the mean over ranks, which equals the
+single-process loss on the same global batch.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import re
 import sys
-import time
 from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 import kt_ops
 from kt_ops import quantization
+from kt_ops.finetune_trainer import RunResult, WindowDataset, train_with_trainer
 from kt_ops.tokenizer import ByteTokenizer
 
 # The built-in demo model: Qwen3-MoE architecture, small enough for a few minutes on 2 cores.
@@ -135,6 +139,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--hf-experts", default=None, metavar="IMPL",
                    help="experts_implementation of the --compare-eager run (eager, grouped_mm, "
                         "batched_mm); default: transformers' default")
+    p.add_argument("--max-grad-norm", type=float, default=1.0,
+                   help="clip the gradient norm (all trainable tensors, experts' LoRA included; "
+                        "0: no clipping; default: %(default)s, the Trainer's)")
+    p.add_argument("--save-steps", type=int, default=0,
+                   help="write a Trainer checkpoint (with the expert adapter) every N steps into "
+                        "--output-dir (0: none; default)")
+    p.add_argument("--resume", default=None, metavar="CHECKPOINT|latest",
+                   help="resume from a Trainer checkpoint folder (or the latest in --output-dir)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "batch_size", "lora_rank"):
@@ -173,31 +185,6 @@ def _parse_overrides(text: str) -> dict:
         except json.JSONDecodeError:
             out[key.strip()] = value
     return out
-
-
-# --------------------------------------------------------------------------- distributed
-
-@dataclasses.dataclass
-class Dist:
-    rank: int = 0
-    world_size: int = 1
-    initialized_here: bool = False
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def setup_distributed() -> Dist:
-    """Joins torchrun's process group (gloo) when WORLD_SIZE > 1."""
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size <= 1:
-        return Dist()
-    initialized_here = False
-    if not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=datetime.timedelta(minutes=10))
-        initialized_here = True
-    return Dist(dist.get_rank(), dist.get_world_size(), initialized_here)
 
 
 # --------------------------------------------------------------------------- data
@@ -245,12 +232,6 @@ def batch_offsets(num_tokens: int, seq_len: int, batch_size: int, steps: int, se
                          f"the data has {num_tokens}")
     g = torch.Generator().manual_seed(seed)
     return torch.randint(0, span + 1, (steps, batch_size), generator=g)
-
-
-def make_batch(tokens: Tensor, offsets: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
-    """(input_ids, labels), each ``[len(offsets), seq_len]``."""
-    windows = torch.stack([tokens[o:o + seq_len + 1] for o in offsets.tolist()])
-    return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
 
 # --------------------------------------------------------------------------- models
@@ -358,102 +339,6 @@ def attach_peft_lora(model: nn.Module, kt_adapter: dict, lora_rank: int, lora_al
 
 # --------------------------------------------------------------------------- training
 
-def make_loss_fn(model: nn.Module, use_embeds: bool) -> Callable:
-    """``loss(x, labels)``: mean next-token cross entropy (fp32). ``x`` is input_ids, or with
-    ``use_embeds`` the input embeddings."""
-    def loss_fn(x: Tensor, labels: Tensor) -> Tensor:
-        if use_embeds:
-            out = model(inputs_embeds=x, use_cache=False)
-        else:
-            out = model(input_ids=x, use_cache=False)
-        logits = out.logits
-        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), labels.reshape(-1))
-    return loss_fn
-
-
-@dataclasses.dataclass
-class RunResult:
-    label: str
-    losses: list[float]
-    step_times: list[float]
-    tokens_per_step: int
-    wall_s: float
-
-    @property
-    def tokens_per_s(self) -> float:
-        """Steady state: the first step (compilation, warm-up) is left out when there are more."""
-        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
-        return self.tokens_per_step * len(times) / max(sum(times), 1e-12)
-
-    @property
-    def tokens_per_s_median(self) -> float:
-        """From the median step time (first step left out): robust to other processes' bursts."""
-        times = sorted(self.step_times[1:] if len(self.step_times) > 1 else self.step_times)
-        mid = len(times) // 2
-        median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
-        return self.tokens_per_step / max(median, 1e-12)
-
-    def to_json(self) -> dict:
-        return {"losses": self.losses, "step_times_s": self.step_times,
-                "tokens_per_step": self.tokens_per_step, "tokens_per_s": self.tokens_per_s,
-                "tokens_per_s_median": self.tokens_per_s_median,
-                "first_step_s": self.step_times[0] if self.step_times else None, "wall_s": self.wall_s}
-
-
-def train(model: nn.Module, loss_fn: Callable, tokens: Tensor, offsets: Tensor, args, ddp: Dist,
-          label: str, use_embeds: bool) -> RunResult:
-    """Runs ``len(offsets)`` optimizer steps; each rank uses its shard of each global batch."""
-    model.train()
-    trainable = [p for p in model.parameters() if p.requires_grad]
-    owner_only = expert_parameters(model)
-    replicated = [p for p in trainable if id(p) not in owner_only]  # all-reduced by hand
-    optimizer = torch.optim.AdamW(trainable, lr=args.lr, weight_decay=0.0) if trainable else None
-    per_rank = offsets.shape[1] // ddp.world_size
-    tokens_per_step = offsets.shape[1] * args.seq_len
-    embed = model.get_input_embeddings()
-
-    from tqdm.auto import tqdm
-    bar = tqdm(total=len(offsets), desc=label, disable=not ddp.is_main or args.no_progress,
-               dynamic_ncols=True, file=sys.stderr)
-    losses, times = [], []
-    start = time.perf_counter()
-    for step in range(len(offsets)):
-        shard = offsets[step, ddp.rank * per_rank:(ddp.rank + 1) * per_rank]
-        input_ids, labels = make_batch(tokens, shard, args.seq_len)
-        t0 = time.perf_counter()
-        if use_embeds:
-            # A leaf that requires grad: every rank then has a backward through the expert
-            # collectives, also when nothing on that rank trains (see _run).
-            with torch.no_grad():
-                x = embed(input_ids)
-            x.requires_grad_(True)
-        else:
-            x = input_ids
-        loss = loss_fn(x, labels)
-        loss.backward()
-        if ddp.world_size > 1 and replicated:
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in replicated]
-            flat = torch.cat([g.reshape(-1) for g in grads])
-            dist.all_reduce(flat)
-            flat /= ddp.world_size
-            for p, g in zip(replicated, flat.split([q.numel() for q in replicated])):
-                p.grad = g.view_as(p)
-        if optimizer is not None:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-        value = loss.detach().float()
-        if ddp.world_size > 1:
-            dist.all_reduce(value)
-            value /= ddp.world_size
-        times.append(time.perf_counter() - t0)
-        losses.append(float(value))
-        steady = times[1:] if len(times) > 1 else times
-        bar.set_postfix(loss=f"{losses[-1]:.4f}", tok_s=f"{tokens_per_step * len(steady) / sum(steady):.0f}")
-        bar.update(1)
-    bar.close()
-    return RunResult(label, losses, times, tokens_per_step, time.perf_counter() - start)
-
-
 def compare(kt: RunResult, eager: RunResult) -> dict:
     abs_diff = [abs(a - b) for a, b in zip(kt.losses, eager.losses)]
     rel_diff = [d / max(abs(b), 1e-12) for d, b in zip(abs_diff, eager.losses)]
@@ -473,7 +358,7 @@ def plot_losses(path: str, kt: RunResult, eager: Optional[RunResult], title: str
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4.2), dpi=110)
-    steps = range(1, len(kt.losses) + 1)
+    steps = range(kt.first_step, kt.first_step + len(kt.losses))
     ax.plot(steps, kt.losses, label=f"kt_ops ({kt.tokens_per_s:,.0f} tokens/s)", color="tab:blue", lw=1.8)
     if eager is not None:
         ax.plot(steps, eager.losses, label=f"{eager.label} ({eager.tokens_per_s:,.0f} tokens/s)",
@@ -512,22 +397,22 @@ def run(argv=None) -> FinetuneResult:
     # 10-100x slower; flushing them to zero made the demo's steps 2.4x faster (fp32) to 20x
     # (bf16). Set before the first parallel region, so that OpenMP's threads inherit it.
     torch.set_flush_denormal(True)
-    ddp = setup_distributed()
     try:
-        return _run(args, ddp)
+        return _run(args, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
     finally:
-        if ddp.initialized_here:
+        if dist.is_initialized():  # the Trainer's (accelerate's) group: leave together
+            dist.barrier()
             dist.destroy_process_group()
         torch.set_flush_denormal(False)  # torch's default, for in-process callers (tests)
 
 
-def _run(args, ddp: Dist) -> FinetuneResult:
+def _run(args, rank: int, world_size: int) -> FinetuneResult:
     if args.threads:
         torch.set_num_threads(args.threads)
-    if args.batch_size % ddp.world_size:
+    if args.batch_size % world_size:
         raise ValueError(f"--batch-size {args.batch_size} must be a multiple of the number of ranks "
-                         f"({ddp.world_size})")
-    if args.compare_eager and ddp.world_size > 1:
+                         f"({world_size})")
+    if args.compare_eager and world_size > 1:
         raise ValueError("--compare-eager runs in a single process only")
 
     base = None if args.model else build_base_model(args)
@@ -540,17 +425,11 @@ def _run(args, ddp: Dist) -> FinetuneResult:
         init_lora = {k: v.clone() for k, v in adapter_state_dict(model).items()}
     if not args.no_checkpointing:
         enable_checkpointing(model, kt_ops.checkpoint_context_fn)
-    # With several ranks and a frozen embedding, the ranks that do not own the experts have no
-    # parameter that trains: their loss would not require grad, they would skip backward and
-    # the owner would wait for them in the experts' backward collectives. Feeding the embedding
-    # output as a grad-requiring input keeps every rank's backward (and collectives) in step.
-    embed_w = model.get_input_embeddings().weight
-    use_embeds = ddp.world_size > 1 and not embed_w.requires_grad
-    loss_fn = make_loss_fn(model, use_embeds)
-    if args.backend != "none":
-        loss_fn = torch.compile(loss_fn, backend=args.backend, fullgraph=True)
-
-    kt_result = train(model, loss_fn, tokens, offsets, args, ddp, "kt_ops", use_embeds)
+    dataset = WindowDataset(tokens, offsets, args.seq_len)
+    resume = True if args.resume == "latest" else args.resume
+    kt_result = train_with_trainer(model, dataset, args, "kt_ops", output_dir=args.output_dir,
+                                   compile_backend=None if args.backend == "none" else args.backend,
+                                   world_size=world_size, resume=resume)
 
     eager_result, comparison, hf_impl = None, None, None
     if args.compare_eager:
@@ -561,13 +440,14 @@ def _run(args, ddp: Dist) -> FinetuneResult:
         also_train(hf_model, args.also_train, exclude=experts_ids)  # as on the kt_ops side
         if not args.no_checkpointing:
             enable_checkpointing(hf_model.get_base_model(), None)
-        eager_result = train(hf_model, make_loss_fn(hf_model, False), tokens, offsets, args, ddp,
-                             f"HF experts ({hf_impl}) + PEFT, eager", False)
+        eager_result = train_with_trainer(hf_model, dataset, args, f"HF experts ({hf_impl}) + PEFT, eager",
+                                          output_dir=os.path.join(args.output_dir, "eager"), compile_backend=None,
+                                          world_size=1)
         comparison = compare(kt_result, eager_result)
 
     summary = {
         "settings": vars(args),
-        "world_size": ddp.world_size,
+        "world_size": world_size,
         "threads_per_process": torch.get_num_threads(),
         "model": model_summary(model),
         "tokenizer": tokenizer_info,
@@ -580,7 +460,7 @@ def _run(args, ddp: Dist) -> FinetuneResult:
         "comparison": comparison,
         "versions": {"torch": torch.__version__, **_versions()},
     }
-    if ddp.is_main:
+    if rank == 0:
         out = args.output_dir
         os.makedirs(out, exist_ok=True)
         kt_ops.save_adapter(model, out)
@@ -592,7 +472,7 @@ def _run(args, ddp: Dist) -> FinetuneResult:
         if tokenizer_info["type"] == "kt_ops.tokenizer.ByteTokenizer":
             ByteTokenizer().save_pretrained(out)
         title = (f"LoRA r={args.lora_rank} on experts, {args.dtype}, backend={args.backend}, "
-                 f"batch {args.batch_size}x{args.seq_len}, {ddp.world_size} process(es)")
+                 f"batch {args.batch_size}x{args.seq_len}, {world_size} process(es)")
         note = None if comparison is None else (
             f"speedup {comparison['speedup']:.2f}x; per step |loss diff| <= {comparison['max_abs_diff']:.2g} "
             f"(rel {comparison['max_rel_diff']:.2g})")

@@ -110,9 +110,9 @@ def test_local_model_directory_without_checkpointing(tmp_path, monkeypatch, expe
 
 
 def test_torchrun_two_processes_match_single_process(tmp_path):
-    """2 ranks (gloo, experts on rank 0, eager backend) on the same global batch: the rank-
-    averaged losses equal the single-process losses. The RMSNorm weights train too
-    (--also-train), so the hand-made all-reduce of replicated gradients is covered."""
+    """2 ranks (the Trainer's gloo group and DDP, experts on rank 0, eager backend) on the same
+    global batch: the rank-averaged losses equal the single-process losses. The RMSNorm weights
+    train too (--also-train): DDP averages their gradients."""
     argv = TINY + ["--steps", "3", "--lr", "1e-2", "--backend", "eager", "--also-train", "norm"]
     single = finetune.run(argv + ["--output-dir", str(tmp_path / "single")]).kt.losses
 
@@ -131,6 +131,19 @@ def test_torchrun_two_processes_match_single_process(tmp_path):
     assert summary["also_trained"] and all("norm" in n for n in summary["also_trained"])
     for name in ("adapter_model.safetensors", "also_trained.safetensors"):
         assert (tmp_path / "multi" / name).is_file()
+
+
+def test_resume_continues_the_loss_curve(tmp_path):
+    """--save-steps writes Trainer checkpoints (with the expert adapter); --resume from the one
+    at step 2 gives steps 3-4 of the uninterrupted run."""
+    argv = TINY + ["--steps", "4", "--lr", "1e-2", "--backend", "none", "--save-steps", "2"]
+    full = finetune.run(argv + ["--output-dir", str(tmp_path / "full")])
+    assert (tmp_path / "full" / "checkpoint-2" / "adapter_model.safetensors").is_file()
+    resumed = finetune.run(argv + ["--output-dir", str(tmp_path / "full"), "--resume",
+                                   str(tmp_path / "full" / "checkpoint-2")])
+    assert resumed.kt.first_step == 3 and len(resumed.kt.losses) == 2
+    torch.testing.assert_close(torch.tensor(resumed.kt.losses), torch.tensor(full.kt.losses[2:]),
+                               rtol=1e-6, atol=1e-6)
 
 
 def test_byte_tokenizer_round_trip():

@@ -341,7 +341,7 @@ class _Plan:
             I = two_i // 2
             want = {"gate_up_proj": (E, two_i, H), "down_proj": (E, H, I)}[slot.proj] if slot.expert is None \
                 else ((H, I) if slot.proj == "down_proj" else (I, H))
-            what = f"{slot.path}'s {slot.proj}" + ("" if slot.expert is None else f" of one expert")
+            what = f"{slot.path}'s {slot.proj}" + ("" if slot.expert is None else " of one expert")
             if slot.expert is not None and not 0 <= slot.expert < E:
                 raise ValueError(f"checkpoint: {name}: expert {slot.expert}, but {slot.path} has {E} experts")
             swapped = (got[0], got[2], got[1]) if len(got) == 3 else got
