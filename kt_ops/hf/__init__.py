@@ -8,6 +8,8 @@
   patch_model calls it.
 - :func:`from_pretrained` builds a patched model straight from a checkpoint's safetensors
   shards (bf16, FP8 blocks, compressed-tensors INT4), with bounded memory (:mod:`kt_ops.hf.loading`).
+- :func:`get_peft_model` puts PEFT LoRA on the other modules (attention) of a patched model,
+  keeping the experts' LoRA trainable; one adapter then holds both.
 - :func:`save_adapter` / :func:`load_adapter` write and read the expert LoRA in PEFT's
   adapter format (``adapter_model.safetensors`` + ``adapter_config.json``), interchangeable
   with ``PeftModel`` on the unpatched model.
@@ -18,6 +20,7 @@ from kt_ops.hf.adapters import load_adapter, save_adapter
 from kt_ops.hf.experts import KTExperts, experts_support, register_kt_experts
 from kt_ops.hf.loading import from_pretrained
 from kt_ops.hf.patch import patch_model, patched_experts
+from kt_ops.hf.peft_attention import get_peft_model
 
-__all__ = ["from_pretrained", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
+__all__ = ["from_pretrained", "get_peft_model", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
            "register_kt_experts"]

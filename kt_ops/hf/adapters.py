@@ -34,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from kt_ops.hf.patch import patched_blocks
+from kt_ops.hf.peft_attention import combined_adapter, get_peft_model, is_peft_model, peft_config_without_experts
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
@@ -197,14 +198,23 @@ def save_adapter(model: nn.Module, output_dir: str) -> None:
     "experts.down_proj"])``), so that ``PeftModel.from_pretrained(unpatched_model, output_dir)``
     gives the patched model's logits.
 
+    ``model`` may also be a PEFT model over a patched one (:func:`kt_ops.hf.get_peft_model`,
+    LoRA on attention or other modules): the adapter then holds both, as PEFT writes
+    ``LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
+    "experts.down_proj"])`` for the unpatched model (same ``r`` and ``lora_alpha`` for both).
+
     Only the owner rank holds the expert LoRA: call this on the owner rank. Trainable expert
     base weights (``train_base=True``) are not part of an adapter and are not saved (a
     warning says so).
 
     Raises:
         ValueError: ``model`` is not patched, has no LoRA (``lora_rank=0``), or this is not the
-            owner rank; ``output_dir`` exists and is not a directory.
+            owner rank; ``output_dir`` exists and is not a directory; PEFT's and the experts'
+            LoRA differ in rank or alpha.
     """
+    peft_model = model if is_peft_model(model) else None
+    if peft_model is not None:
+        model = peft_model.get_base_model()
     blocks = _blocks(model, "save_adapter")
     kt0 = blocks[0][1].experts
     if not kt0.lora_rank:
@@ -226,10 +236,14 @@ def save_adapter(model: nn.Module, output_dir: str) -> None:
         raise ValueError(f"save_adapter: output_dir {output_dir!r} exists and is not a directory")
     os.makedirs(output_dir, exist_ok=True)
 
+    state, config = adapter_state_dict(model), _adapter_config(model, r, alpha)
+    if peft_model is not None:
+        state, config = combined_adapter(peft_model, state, r, alpha)
     from safetensors.torch import save_file
-    save_file(adapter_state_dict(model), os.path.join(output_dir, ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, os.path.join(output_dir, ADAPTER_WEIGHTS),
+              metadata={"format": "pt"})
     with open(os.path.join(output_dir, ADAPTER_CONFIG), "w") as f:
-        json.dump(_adapter_config(model, r, alpha), f, indent=2, sort_keys=True)
+        json.dump(config, f, indent=2, sort_keys=True)
 
 
 def _adapter_config(model: nn.Module, r: int, alpha: float) -> dict:
@@ -265,25 +279,55 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     not target get ``B = 0``. On non-owner ranks only the configuration is checked and the
     scale set (they hold no expert weights).
 
+    An adapter that also has ``target_modules`` (LoRA on attention, ..., as
+    :func:`save_adapter` writes from a PEFT-wrapped patched model) loads those through PEFT:
+    into ``model`` if it is a PEFT model, else into ``kt_ops.hf.get_peft_model(model, <the
+    adapter's LoraConfig without the experts>)``, which is returned.
+
     Returns:
-        ``model``.
+        ``model`` (or the PEFT model wrapping it, see above).
 
     Raises:
         ValueError: ``model`` is not patched or its ``lora_rank`` differs from the adapter's
             ``r``; ``adapter_dir`` is not a LoRA adapter, uses what kt_ops cannot represent
-            (DoRA, LoRA bias, rank/alpha patterns, target_modules), or holds tensors outside
-            the experts.
+            (DoRA, LoRA bias, rank/alpha patterns), or holds tensors that fit neither the
+            experts nor PEFT's modules.
     """
-    blocks = _blocks(model, "load_adapter")
+    peft_model = model if is_peft_model(model) else None
+    base = peft_model.get_base_model() if peft_model is not None else model
+    blocks = _blocks(base, "load_adapter")
     config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
     if not os.path.isfile(config_path):
         raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
     with open(config_path) as f:
         config = json.load(f)
     r, alpha, scaling = _check_config(config, adapter_dir)
+    state = _read_adapter_weights(adapter_dir)
+    if config.get("target_modules"):
+        if peft_model is None:
+            peft_model = get_peft_model(base, peft_config_without_experts(config))
+        state = _load_peft_part(peft_model, blocks, state, adapter_dir)
     kt0 = blocks[0][1].experts
-    if not kt0.is_owner:
-        return load_adapter_state_dict(model, {}, r=r, scaling=scaling, lora_alpha=alpha)
+    load_adapter_state_dict(base, state if kt0.is_owner else {}, r=r, scaling=scaling, lora_alpha=alpha)
+    return peft_model if peft_model is not None else model
+
+
+def _load_peft_part(peft_model, blocks, state: dict, adapter_dir: str) -> dict:
+    """Loads the adapter tensors outside the patched experts through PEFT; returns the experts'."""
+    from peft import set_peft_model_state_dict
+
+    expert_prefixes = tuple(f"{_PREFIX}{name}.experts." for name, _ in blocks)
+    experts = {k: v for k, v in state.items() if k.startswith(expert_prefixes)}
+    rest = {k: v for k, v in state.items() if k not in experts}
+    result = set_peft_model_state_dict(peft_model, rest)
+    unexpected = list(getattr(result, "unexpected_keys", None) or [])
+    if unexpected:
+        raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} holds tensors PEFT's modules do not take: "
+                         f"{unexpected[:4]}")
+    return experts
+
+
+def _read_adapter_weights(adapter_dir: str) -> dict:
     st_path, bin_path = os.path.join(adapter_dir, ADAPTER_WEIGHTS), os.path.join(adapter_dir, ADAPTER_WEIGHTS_BIN)
     if os.path.isfile(st_path):
         from safetensors.torch import load_file
@@ -293,7 +337,7 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     else:
         raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} has neither {ADAPTER_WEIGHTS} "
                          f"nor {ADAPTER_WEIGHTS_BIN}")
-    return load_adapter_state_dict(model, state, r=r, scaling=scaling, lora_alpha=alpha)
+    return state
 
 
 def _check_config(config: dict, adapter_dir: str) -> tuple[int, float, float]:
@@ -311,10 +355,6 @@ def _check_config(config: dict, adapter_dir: str) -> tuple[int, float, float]:
         if config.get(key):
             raise ValueError(f"{where}: {key}={config[key]!r} is not supported (kt_ops uses one rank and alpha "
                              f"for every expert adapter)")
-    modules = config.get("target_modules")
-    if modules:
-        raise ValueError(f"{where}: target_modules={modules!r}: kt_ops loads expert LoRA only "
-                         f"(target_parameters {list(TARGET_PARAMETERS)})")
     params = config.get("target_parameters") or []
     unknown = [p for p in params if not (p.endswith("gate_up_proj") or p.endswith("down_proj"))]
     if unknown or not params:
