@@ -47,8 +47,9 @@ def rel_err(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("extra", [[], ["--train-router", "--checkpointing"], ["--train-router", "--max-grad-norm", "1.0"]],
-                         ids=["expert-lora", "lora+router-ckpt", "lora+router-clipped"])
+@pytest.mark.parametrize("extra", [[], ["--train-router", "--checkpointing"], ["--train-router", "--max-grad-norm", "1.0"],
+                                   ["--attention-lora", "--max-grad-norm", "1.0"]],
+                         ids=["expert-lora", "lora+router-ckpt", "lora+router-clipped", "lora+peft-attention-clipped"])
 def test_trainer_under_torchrun_equals_one_process(tmp_path, extra):
     single = run(tmp_path / "single", extra, 1)
     multi = run(tmp_path / "multi", extra, 2)
@@ -57,11 +58,12 @@ def test_trainer_under_torchrun_equals_one_process(tmp_path, extra):
     torch.testing.assert_close(torch.tensor(list(multi["losses"].values())), torch.tensor(list(single["losses"].values())),
                                rtol=1e-5, atol=1e-5)
     assert single["state"].keys() == multi["state"].keys() and any("lora" in n for n in single["state"])
-    assert any("mlp.gate" in n for n in single["state"]) == bool(extra)
+    assert any("mlp.gate" in n for n in single["state"]) == ("--train-router" in extra)
+    assert any("q_proj.lora_A" in n for n in single["state"]) == ("--attention-lora" in extra)
     for name, want in single["state"].items():
         assert rel_err(multi["state"][name], want) <= 1e-5, name
     other = torch.load(tmp_path / "multi" / "replicated_rank1.pt")
-    assert not any("lora" in n for n in other)  # rank 1 holds no expert tensor
+    assert not any(".experts." in n for n in other)  # rank 1 holds no expert tensor
     for name, t in other.items():
         assert rel_err(t, multi["state"][name]) <= 1e-6, name
 
@@ -98,3 +100,32 @@ def test_checkpoints_resume_the_same_loss_curve_and_hold_a_peft_adapter(tmp_path
     for name, tensor in saved.items():
         if "lora" in name:
             torch.testing.assert_close(params[name], tensor, rtol=0, atol=0, msg=name)
+
+
+def test_peft_attention_lora_checkpoints_resume_and_load_in_plain_peft(tmp_path):
+    """With PEFT LoRA on attention (kt_ops.hf.get_peft_model) the Trainer's checkpoints are one
+    adapter holding both LoRAs: resuming from checkpoint-2 continues the loss curve (PEFT's
+    load_adapter on that model also restores the experts' LoRA), and the checkpoint loads into
+    the unpatched model with plain PEFT, and into a patched one with kt_ops.load_adapter, with
+    the same logits."""
+    import peft
+
+    import kt_ops
+    from test_ddp_fsdp import build_model
+    from test_quantized_layer import input_ids, tiny_qwen3_moe
+
+    full = run(tmp_path / "full", ["--attention-lora", "--steps", "4", "--save-steps", "2"], 1)
+    ckpt = tmp_path / "full" / "checkpoint-2"
+    resumed = run(tmp_path / "resumed", ["--attention-lora", "--steps", "4", "--resume", str(ckpt)], 1)
+    for step in (3, 4):
+        assert abs(resumed["losses"][step] - full["losses"][step]) <= 1e-5 * abs(full["losses"][step]), step
+    for name, want in full["state"].items():
+        assert rel_err(resumed["state"][name], want) <= 1e-6, name
+
+    plain = peft.PeftModel.from_pretrained(tiny_qwen3_moe(torch.float32), str(ckpt))
+    ours = kt_ops.load_adapter(build_model(), str(ckpt))
+    ids = input_ids(seed=5)
+    with torch.no_grad():
+        want = plain(input_ids=ids).logits
+        assert rel_err(ours.eval()(input_ids=ids).logits, want) <= 1e-5
+        assert rel_err(tiny_qwen3_moe(torch.float32)(input_ids=ids).logits, want) > 1e-3  # the adapter matters

@@ -23,6 +23,8 @@ def main(argv=None):
     p.add_argument("--steps", type=int, default=STEPS)
     p.add_argument("--save-steps", type=int, default=0, help="checkpoint every N steps (0: none)")
     p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
+    p.add_argument("--attention-lora", action="store_true",
+                   help="PEFT LoRA on q_proj / v_proj too (kt_ops.hf.get_peft_model)")
     args = p.parse_args(argv)
 
     import transformers
@@ -33,6 +35,15 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model()
     set_trainable(model, "lora+replicated" if args.train_router else "lora")
+    if args.attention_lora:
+        import peft
+        model = kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                                 target_modules=["q_proj", "v_proj"]))
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():  # PEFT starts B at 0: make every attention LoRA tensor get a gradient
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.copy_(0.2 * torch.randn(p.shape, generator=gen))
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids.clone()}
             for ids in torch.randint(0, 96, (GLOBAL_BATCH * args.steps, SEQ), generator=gen)]

@@ -312,6 +312,20 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     return peft_model if peft_model is not None else model
 
 
+def load_expert_part(model: nn.Module, adapter_dir: str) -> None:
+    """Only the experts' LoRA of an adapter into a patched model (PEFT loads the rest: see
+    :func:`kt_ops.hf.get_peft_model`, whose PEFT model's ``load_adapter`` calls this)."""
+    blocks = _blocks(model, "load_adapter")
+    with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
+        config = json.load(f)
+    r, alpha, scaling = _check_config(config, adapter_dir)
+    kt0 = blocks[0][1].experts
+    state = _read_adapter_weights(adapter_dir) if kt0.is_owner else {}
+    prefixes = tuple(f"{_PREFIX}{name}.experts." for name, _ in blocks)
+    load_adapter_state_dict(model, {k: v for k, v in state.items() if k.startswith(prefixes)}, r=r,
+                            scaling=scaling, lora_alpha=alpha)
+
+
 def _load_peft_part(peft_model, blocks, state: dict, adapter_dir: str) -> dict:
     """Loads the adapter tensors outside the patched experts through PEFT; returns the experts'."""
     from peft import set_peft_model_state_dict

@@ -11,11 +11,13 @@ one (wrapping it with PEFT when needed).
 """
 from __future__ import annotations
 
+import json
 import math
+import os
 
 from torch import nn
 
-from kt_ops.distributed import expert_parameters
+from kt_ops.distributed import expert_parameters, prepare_ddp
 from kt_ops.hf.patch import patched_blocks
 
 
@@ -43,6 +45,23 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
     peft_model = peft.get_peft_model(model, peft_config, **kwargs)
     for p in keep:
         p.requires_grad_(True)
+
+    # PEFT's load_adapter (what Trainer calls to resume from a checkpoint) reads PEFT's own
+    # modules only: this model's also reads the experts' LoRA from the same adapter.
+    peft_load = peft_model.load_adapter
+
+    def load_adapter(model_id, adapter_name, *args, **kwargs):
+        result = peft_load(model_id, adapter_name, *args, **kwargs)
+        config = os.path.join(str(model_id), "adapter_config.json")
+        if os.path.isfile(config) and json.load(open(config)).get("target_parameters"):
+            from kt_ops.hf.adapters import load_expert_part
+            load_expert_part(peft_model.get_base_model(), str(model_id))
+        for p in keep:
+            p.requires_grad_(True)
+        return result
+
+    peft_model.load_adapter = load_adapter
+    prepare_ddp(peft_model)  # DistributedDataParallel(peft_model): the expert tensors by their new names
     return peft_model
 
 
