@@ -85,8 +85,21 @@ def test_one_adapter_plain_peft_loads_and_trains_the_same(tmp_path):
         assert rel_err(fresh(input_ids=ids).logits, ref(input_ids=ids).logits) <= 1e-5
 
 
+def test_save_pretrained_writes_both_loras(tmp_path):
+    """The PEFT model's own save_pretrained (what Trainer.save_model calls) writes the adapter
+    with the experts' LoRA too: plain PEFT on the unpatched model gives the same logits."""
+    base, pm = _kt_with_attention_lora()
+    pm.save_pretrained(tmp_path)
+    ref = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path)
+    ids = samples.input_ids()
+    pm.eval()
+    with torch.no_grad():
+        assert rel_err(pm(input_ids=ids).logits, ref(input_ids=ids).logits) <= 1e-5
+
+
 def test_rank_or_alpha_mismatch_is_refused(tmp_path):
     model = kt_ops.patch_model(samples.tiny_qwen3_moe(), lora_rank=R, lora_alpha=ALPHA)
-    pm = kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=2 * ALPHA, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"lora_alpha=16 but the experts' has r=4, lora_alpha=8"):
-        kt_ops.save_adapter(pm, tmp_path)
+    with pytest.raises(ValueError, match=r"lora_alpha=16 but the experts' LoRA has r=4, lora_alpha=8"):
+        kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=2 * ALPHA, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match=r"r=2, lora_alpha=8 but the experts' LoRA has r=4"):
+        kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=2, lora_alpha=ALPHA, target_modules=["q_proj"]))

@@ -2,8 +2,10 @@
 
 PEFT's ``get_peft_model`` freezes every parameter it did not create, kt's expert LoRA and grad
 anchors included (PEFT would have to wrap the experts itself, and the patched model has no
-``experts.gate_up_proj`` to wrap). :func:`get_peft_model` is PEFT's call that keeps kt's
-trainable tensors trainable. One adapter then holds both halves, in the format PEFT writes for
+``experts.gate_up_proj`` to wrap), and its ``save_pretrained`` / ``load_adapter`` only know its
+own modules. :func:`get_peft_model` is PEFT's call that keeps kt's trainable tensors trainable
+and gives the PEFT model a ``save_pretrained`` / ``load_adapter`` that also write / read the
+experts' LoRA (so ``Trainer.save_model``, Trainer checkpoints and resuming carry both). One adapter then holds both halves, in the format PEFT writes for
 the unpatched model with ``LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
 "experts.down_proj"])``: :func:`kt_ops.save_adapter` writes it from the PEFT-wrapped patched
 model, plain PEFT loads it into the unpatched model, :func:`kt_ops.load_adapter` into a patched
@@ -41,6 +43,12 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
         raise ValueError(f"get_peft_model: peft_config.target_parameters={peft_config.target_parameters!r}: the "
                          "experts' LoRA is kt's (kt_ops.patch_model(model, lora_rank=...)); target the other "
                          "modules with target_modules")
+    kt = patched_blocks(model)[0][1].experts
+    if kt.lora_rank and (peft_config.r != kt.lora_rank or not math.isclose(float(peft_config.lora_alpha), kt.lora_alpha)):
+        # checked now, not when the adapter is saved at the end of a training run
+        raise ValueError(f"get_peft_model: peft_config has r={peft_config.r}, lora_alpha={peft_config.lora_alpha} "
+                         f"but the experts' LoRA has r={kt.lora_rank}, lora_alpha={kt.lora_alpha:g}; one PEFT adapter "
+                         "holds one rank and alpha: use the same for both")
     keep = [p for p in expert_parameters(model) if p.requires_grad]
     peft_model = peft.get_peft_model(model, peft_config, **kwargs)
     for p in keep:
@@ -61,6 +69,19 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
         return result
 
     peft_model.load_adapter = load_adapter
+
+    # ... and its save_pretrained (Trainer.save_model, Trainer checkpoints) writes the one
+    # adapter holding both LoRAs (on the experts' owner; other ranks hold no expert LoRA).
+    peft_save = peft_model.save_pretrained
+
+    def save_pretrained(save_directory, *args, **kwargs):
+        peft_save(save_directory, *args, **kwargs)
+        blocks = patched_blocks(peft_model.get_base_model())
+        if len(peft_model.peft_config) == 1 and blocks[0][1].experts.is_owner:
+            from kt_ops.hf.adapters import save_adapter
+            save_adapter(peft_model, str(save_directory))
+
+    peft_model.save_pretrained = save_pretrained
     prepare_ddp(peft_model)  # DistributedDataParallel(peft_model): the expert tensors by their new names
     return peft_model
 
