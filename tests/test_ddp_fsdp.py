@@ -1,7 +1,8 @@
 """A patched transformers model under PyTorch's own engines on 2 gloo ranks: unmodified
 ``DistributedDataParallel(model)`` and FSDP2 ``fully_shard`` on every decoder layer and the root
 (``ignored_params=kt_ops.expert_parameters(...)``), training the expert LoRA alone and the
-expert LoRA with replicated parameters (router, attention). Each gives, step by step, the
+expert LoRA with replicated parameters (router, attention), and the expert LoRA with PEFT LoRA
+on attention (kt_ops.hf.get_peft_model). Each gives, step by step, the
 per-rank losses and the trained parameters (fp32, SGD) of one process that averages the two
 ranks' losses. The non-owner holds no expert tensor; with the expert LoRA alone it has nothing
 of its own to train and still runs the backward the owner needs (its KT layers' grad anchors).
@@ -33,11 +34,31 @@ def build_model():
 
 def set_trainable(model, trained):
     """Everything frozen but the expert LoRA and the grad anchors, plus (``trained ==
-    "lora+replicated"``) the routers and the attention q_proj of every layer."""
+    "lora+replicated"``) the routers and the attention q_proj of every layer, or (``trained ==
+    "lora+peft-attention"``) PEFT LoRA on q_proj / v_proj (kt_ops.hf.get_peft_model; its B
+    factors nonzero). Returns the model to train (the PEFT model in the last case)."""
     for name, p in model.named_parameters():
         replicated = name.endswith(("mlp.gate.weight", "self_attn.q_proj.weight"))
         p.requires_grad_("lora" in name or name.endswith("grad_anchor")
                          or (trained == "lora+replicated" and replicated))
+    if trained != "lora+peft-attention":
+        return model
+    import peft
+
+    import kt_ops
+    model = kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
+                                                             target_modules=["q_proj", "v_proj"]))
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def decoder_layers(model):
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return inner.model.layers
 
 
 def batch(step, rank):
@@ -57,13 +78,12 @@ def trained_state(model):
 def _worker(rank, world_size, engine, trained):
     import kt_ops
 
-    model = build_model()
-    set_trainable(model, trained)
+    model = set_trainable(build_model(), trained)
     if engine == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)  # patch_model marked the expert tensors
     else:
         from torch.distributed.fsdp import fully_shard
-        for layer in model.model.layers:
+        for layer in decoder_layers(model):
             fully_shard(layer, ignored_params=kt_ops.expert_parameters(layer))
         fully_shard(model, ignored_params=kt_ops.expert_parameters(model))
         net = model
@@ -82,8 +102,7 @@ def _worker(rank, world_size, engine, trained):
 
 def reference(trained, world_size=2):
     """One process: per step, the mean of the ranks' losses, one SGD step."""
-    model = build_model()
-    set_trainable(model, trained)
+    model = set_trainable(build_model(), trained)
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     losses = []
     for step in range(STEPS):
@@ -101,7 +120,7 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
-@pytest.mark.parametrize("trained", ["lora", "lora+replicated"])
+@pytest.mark.parametrize("trained", ["lora", "lora+replicated", "lora+peft-attention"])
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
 def test_two_ranks_equal_one_process(engine, trained, monkeypatch):
     results = check_all_ok(run_ranks(_worker, 2, engine, trained, timeout_s=240, pg_timeout_s=120))
@@ -114,10 +133,11 @@ def test_two_ranks_equal_one_process(engine, trained, monkeypatch):
             assert abs(got - want) <= 1e-5 * abs(want), f"{engine}, rank {rank}, step {step}: {got} vs {want}"
     owner, other = results
     assert owner["expert_names"] and other["expert_names"] == []  # the non-owner holds no expert tensor
-    assert any("lora" in n for n in owner["state"])
-    assert not any("lora" in n for n in other["state"])
+    assert any(".experts." in n for n in owner["state"])
+    assert not any(".experts." in n for n in other["state"])
+    assert any("q_proj.lora_A" in n for n in owner["state"]) == (trained == "lora+peft-attention")
     for name, want in ref_state.items():
-        if "lora" in name:
+        if ".experts." in name:
             assert rel_err(owner["state"][name], want) <= 1e-5, name
         else:  # replicated: the same on both ranks
             for rank, res in enumerate(results):
