@@ -73,6 +73,17 @@ def test_float_checkpoint_is_the_patched_model(tmp_path, layout, dtype):
     assert not ours.training and ours.generation_config is not None
 
 
+def test_tied_embeddings(tmp_path):
+    """A checkpoint of a model with tied input/output embeddings holds the embedding once."""
+    samples.tiny_qwen3_moe(tie_word_embeddings=True).save_pretrained(tmp_path)
+    ours = loaded(tmp_path, lora_rank=2)
+    assert ours.lm_head.weight is ours.model.embed_tokens.weight
+    ref = reference(tmp_path, torch.float32, lora_rank=2)
+    assert_same_model(ours, ref)
+    ids = samples.input_ids()
+    assert torch.equal(logits(ours, ids), logits(ref, ids))
+
+
 def test_fp16_checkpoint_into_another_dtype(tmp_path):
     samples.tiny_qwen3_moe(torch.float16).save_pretrained(tmp_path)
     ours = loaded(tmp_path, dtype=torch.float32, expert_format="int8")
