@@ -70,9 +70,10 @@ def test_trainer_under_torchrun_equals_one_process(tmp_path, extra):
 
 def test_checkpoints_resume_the_same_loss_curve_and_hold_a_peft_adapter(tmp_path):
     """4 steps with a checkpoint every 2, then a new run resumed from checkpoint-2: steps 3-4 log
-    the same losses and end with the same tensors. Each checkpoint holds the model (the tied
-    gate/up LoRA A saved once) and, through KTAdapterCallback, the expert adapter in PEFT
-    format, which kt_ops.load_adapter reads back into a freshly patched model."""
+    the same losses and end with the same tensors. Each checkpoint holds the model without its
+    frozen expert base weights (the tied gate/up LoRA A saved once) and, through
+    KTAdapterCallback, the expert adapter in PEFT format, which kt_ops.load_adapter reads back
+    into a freshly patched model."""
     import safetensors.torch
 
     import kt_ops
@@ -93,6 +94,10 @@ def test_checkpoints_resume_the_same_loss_curve_and_hold_a_peft_adapter(tmp_path
     saved = safetensors.torch.load_file(ckpt / "model.safetensors")
     a_key = "model.layers.0.mlp.experts.gate_lora_a"
     assert a_key in saved and a_key.replace("gate_lora_a", "up_lora_a") not in saved
+    # the frozen expert base weights are not in the checkpoints (KTAdapterCallback): resuming
+    # above kept the ones in memory
+    assert not any(k.endswith(("experts.gate_proj", "experts.up_proj", "experts.down_proj")) for k in saved)
+    assert "model.layers.0.mlp.gate.weight" in saved
     assert (ckpt / "adapter_model.safetensors").is_file() and (ckpt / "adapter_config.json").is_file()
     fresh = build_model()
     kt_ops.load_adapter(fresh, str(ckpt))
