@@ -1,11 +1,13 @@
 """Helpers shared by the benchmarks (``bench_moe.py``, the ``suite`` package,
-``thread_scaling.py``, ``buffer_reuse.py``).
+``thread_scaling.py``, ``buffer_reuse.py``, ``gemv_rows.py``, ``quant_gemv.py``).
 
 The problem generator, FLOP count, error metric, step container, machine description (CPU model
 and flags, the code path kt_ops takes) and table rendering live here so that the scripts
 measure and report the same way.
 """
+import contextlib
 import os
+import time
 import platform
 from types import SimpleNamespace
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
@@ -140,6 +142,38 @@ def add_layer_arguments(p) -> None:
     """--tokens ... --rank of one MoE layer, defaulting to Qwen3-30B-A3B at T=1024, r=8."""
     for name, default in zip(LAYER_ARGUMENTS, (1024, 2048, 768, 128, 8, 8)):
         p.add_argument(f"--{name}", type=int, default=default)
+
+
+def add_expert_stack_arguments(p, experts: int) -> None:
+    """--hidden --intermediate --experts of a stack of expert weights [E, I, H] (Qwen3-30B-A3B's
+    gate projection by default), for the one-thread kernel benchmarks."""
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--intermediate", type=int, default=768)
+    p.add_argument("--experts", type=int, default=experts)
+
+
+def expert_stack(args, gen: torch.Generator) -> torch.Tensor:
+    """Random bf16 weights [experts, intermediate, hidden] from ``gen``."""
+    return torch.randn(args.experts, args.intermediate, args.hidden, generator=gen).to(torch.bfloat16)
+
+
+def time_pass(fn: Callable[[int], object], experts: Sequence[int]) -> float:
+    """Seconds per call of ``fn(e)`` over the expert indices ``experts``."""
+    t0 = time.perf_counter()
+    for e in experts:
+        fn(e)
+    return (time.perf_counter() - t0) / len(experts)
+
+
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread inside the block (kernel timings), the thread count restored after."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def layer_problem(args) -> Dict[str, torch.Tensor]:

@@ -12,33 +12,22 @@ stream from memory as in a decode step; the two kernels alternate expert by expe
 --repeats passes over the stack. GB/s = weight bytes read / time.
 """
 import argparse
-import time
 
 import torch
 
 import kt_ops
-
-
-def time_pass(fn, experts: int) -> float:
-    t0 = time.perf_counter()
-    for e in range(experts):
-        fn(e)
-    return (time.perf_counter() - t0) / experts
+from benchmarks.common import add_expert_stack_arguments, expert_stack, one_thread, time_pass
 
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--experts", type=int, default=128)
+    add_expert_stack_arguments(p, experts=128)
     p.add_argument("--rows", default="1,2,4,8,16")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(args.experts, args.intermediate, args.hidden, generator=gen).to(torch.bfloat16)
+        w = expert_stack(args, gen)
         weight_bytes = w[0].numel() * w.element_size()
         isa = kt_ops.cpu_isa()
         route = torch.ops.kt._base_gemm_path(torch.bfloat16)
@@ -62,15 +51,13 @@ def main(argv=None):
             best = {k: float("inf") for k in kernels}
             for _ in range(args.repeats):
                 for k, fn in kernels.items():
-                    best[k] = min(best[k], time_pass(fn, args.experts))
+                    best[k] = min(best[k], time_pass(fn, range(args.experts)))
             rows.append((m, best["thin"], best["mm"], best["dw_small"], best["dw_mm"]))
             print(f"{m:>4} | {best['thin'] * 1e3:8.3f} {weight_bytes / best['thin'] / 1e9:6.1f} | "
                   f"{best['mm'] * 1e3:8.3f} {weight_bytes / best['mm'] / 1e9:6.1f} | "
                   f"{best['mm'] / best['thin']:8.2f}x | {best['dw_small'] * 1e3:12.3f} {best['dw_mm'] * 1e3:8.3f} | "
                   f"{best['dw_mm'] / best['dw_small']:.2f}x", flush=True)
         return rows
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 if __name__ == "__main__":

@@ -9,12 +9,11 @@ by the instructions that decode them.
 All kernels alternate pass by pass; best of --repeats passes. G weights/s = weights / time.
 """
 import argparse
-import time
 
 import torch
 
 import kt_ops
-from benchmarks.common import cpu_model, text_table
+from benchmarks.common import add_expert_stack_arguments, cpu_model, expert_stack, one_thread, text_table, time_pass
 from kt_ops import quantization
 
 FORMATS = (("fp8", None), ("int8", None), ("int4", 32))
@@ -22,17 +21,13 @@ FORMATS = (("fp8", None), ("int8", None), ("int4", 32))
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--intermediate", type=int, default=768)
-    p.add_argument("--experts", type=int, default=32)
+    add_expert_stack_arguments(p, experts=32)
     p.add_argument("--rows", type=int, default=1, help="decode rows (x rows), 1-4")
     p.add_argument("--repeats", type=int, default=20)
     args = p.parse_args(argv)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with one_thread():
         gen = torch.Generator().manual_seed(0)
-        w = torch.randn(args.experts, args.intermediate, args.hidden, generator=gen).to(torch.bfloat16)
+        w = expert_stack(args, gen)
         x = torch.randn(args.rows, args.hidden, generator=gen).to(torch.bfloat16)
         isa = kt_ops.cpu_isa()
         kernels = {"bf16": lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa)}
@@ -43,10 +38,7 @@ def main(argv=None):
         for _ in range(args.repeats):
             for k, fn in kernels.items():
                 for where, experts in (("memory", range(args.experts)), ("cache", [0] * args.experts)):
-                    t0 = time.perf_counter()
-                    for e in experts:
-                        fn(e)
-                    best[(k, where)] = min(best[(k, where)], (time.perf_counter() - t0) / args.experts)
+                    best[(k, where)] = min(best[(k, where)], time_pass(fn, experts))
         n = args.intermediate * args.hidden
         rows = []
         for k in kernels:
@@ -64,8 +56,6 @@ def main(argv=None):
                 ("cache_x", "x bf16")]
         print(text_table(rows, cols, {c for c, _ in cols if c != "kernel"}, lambda key, v: v))
         return rows
-    finally:
-        torch.set_num_threads(threads_before)
 
 
 if __name__ == "__main__":
