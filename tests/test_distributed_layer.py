@@ -80,6 +80,17 @@ def _layer_worker(rank, world_size, mode, owner_rank, seq_lens, backend, seed):
                 steps=steps)
 
 
+def reference_step(ref, step: int, seq_lens, world_size: int):
+    """One process standing in for ``world_size`` ranks: every rank's batch of ``step`` through
+    ``ref`` at once, the ranks' losses averaged, backward. Returns (inputs, outputs) per rank."""
+    xs, cs = zip(*(make_batch(step, r, seq_lens[r]) for r in range(world_size)))
+    xs = [x.requires_grad_(True) for x in xs]
+    y_all = ref(torch.cat([x.reshape(-1, H) for x in xs]))
+    ys = [y.reshape(x.shape) for y, x in zip(y_all.split([x.shape[0] * x.shape[1] for x in xs]), xs)]
+    (sum((y * c).sum() for y, c in zip(ys, cs)) / world_size).backward()
+    return xs, ys
+
+
 def rel_err(a, b):
     assert a.shape == b.shape, (a.shape, b.shape)
     a, b = a.detach().double(), b.detach().double()
@@ -104,11 +115,7 @@ def check_against_reference(results, mode, owner_rank, seq_lens, seed, monkeypat
 
     for step, lens in enumerate(seq_lens):
         ref.zero_grad(set_to_none=True)
-        xs, cs = zip(*(make_batch(step, r, lens[r]) for r in range(world_size)))
-        xs = [x.requires_grad_(True) for x in xs]
-        y_all = ref(torch.cat([x.reshape(-1, H) for x in xs]))
-        ys = [y.reshape(x.shape) for y, x in zip(y_all.split([x.shape[0] * x.shape[1] for x in xs]), xs)]
-        (sum((y * c).sum() for y, c in zip(ys, cs)) / world_size).backward()
+        xs, ys = reference_step(ref, step, lens, world_size)
 
         where = f"step {step}, lengths {lens}"
         for rank, res in enumerate(results):

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from distributed_harness import check_all_ok, run_ranks
-from test_distributed_layer import E, H, I, K, make_batch, rel_err
+from test_distributed_layer import E, H, I, K, make_batch, reference_step, rel_err
 
 NODES, PER_NODE = 2, 2
 LENGTHS = [(3, 5, 0, 4), (6, 2, 7, 1)]  # per step, per global rank (0 rows on a rank in step 0)
@@ -65,11 +65,7 @@ def test_two_nodes_of_two_ranks_equal_one_process(monkeypatch):
     lora_names = [n for n, _ in ref.named_parameters() if "lora" in n]
     for step, lens in enumerate(LENGTHS):
         ref.zero_grad(set_to_none=True)
-        xs, cs = zip(*(make_batch(step, r, lens[r]) for r in range(world)))
-        xs = [x.requires_grad_(True) for x in xs]
-        y_all = ref(torch.cat([x.reshape(-1, H) for x in xs]))
-        ys = [y.reshape(x.shape) for y, x in zip(y_all.split([x.shape[0] * x.shape[1] for x in xs]), xs)]
-        (sum((y * c).sum() for y, c in zip(ys, cs)) / world).backward()
+        xs, ys = reference_step(ref, step, lens, world)
         for rank, res in enumerate(results):
             got = res["steps"][step]
             if lens[rank]:
