@@ -26,6 +26,7 @@ import kt_ops  # noqa: E402
 from kt_ops import _kernels  # noqa: E402
 from kt_ops.hf.patch import patched_blocks  # noqa: E402
 from graph_capture import GraphCapture  # noqa: E402
+from moe_testing import randomize_lora  # noqa: E402
 from test_hf_patching import input_ids, rel_err, tiny_model  # noqa: E402
 
 
@@ -37,11 +38,7 @@ def with_lora(model):
     """``model`` patched with rank-4 expert LoRA whose B factors are random (not PEFT's zeros),
     in training mode."""
     model = kt_ops.patch_model(model, lora_rank=4, lora_alpha=8).train()
-    g = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora_b"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    randomize_lora(model, lambda name: name.endswith("lora_b"), seed=3)
     return model
 
 

@@ -11,6 +11,17 @@ from moe_samples import grad_inputs
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
+def randomize_lora(model: torch.nn.Module, picks, seed: int, scale: float = 0.2) -> None:
+    """Overwrites the parameters whose name ``picks(name)`` accepts with ``scale * N(0, 1)``
+    from a generator seeded with ``seed``, in parameter order: LoRA B factors start at zero
+    (kt's and PEFT's init), which would leave half of the gradients a test compares at zero."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if picks(name):
+                p.copy_(scale * torch.randn(p.shape, generator=g))
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """||a - b|| / max(||b||, tiny), computed in float64."""
     assert a.shape == b.shape, (a.shape, b.shape)

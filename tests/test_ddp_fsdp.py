@@ -13,6 +13,7 @@ import torch
 pytest.importorskip("transformers")
 
 from distributed_harness import check_all_ok, run_ranks  # noqa: E402
+from moe_testing import randomize_lora  # noqa: E402
 
 STEPS, LR = 3, 0.5
 
@@ -24,11 +25,7 @@ def build_model():
     from test_quantized_layer import tiny_qwen3_moe
 
     model = kt_ops.patch_model(tiny_qwen3_moe(torch.float32), lora_rank=4, lora_alpha=8).train()
-    gen = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("lora_b"):
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    randomize_lora(model, lambda name: name.endswith("lora_b"), seed=7)
     return model
 
 
@@ -48,11 +45,7 @@ def set_trainable(model, trained):
     import kt_ops
     model = kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
                                                              target_modules=["q_proj", "v_proj"]))
-    gen = torch.Generator().manual_seed(3)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    randomize_lora(model, lambda name: "lora_B" in name, seed=3)
     return model
 
 

@@ -27,6 +27,7 @@ peft = pytest.importorskip("peft")
 import kt_ops  # noqa: E402
 from kt_ops.hf import adapters  # noqa: E402
 from kt_ops.hf.patch import patched_blocks  # noqa: E402
+from moe_testing import randomize_lora  # noqa: E402
 from test_hf_patching import ARCHS, input_ids, rel_err, tiny_model  # noqa: E402
 
 R, ALPHA = 4, 8
@@ -38,20 +39,12 @@ def peft_model(base, *, seed=1, targets=TARGETS, **config):
     config = dict(dict(r=R, lora_alpha=ALPHA), **config)
     model = peft.get_peft_model(copy.deepcopy(base),
                                 peft.LoraConfig(target_modules=[], target_parameters=list(targets), **config))
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    randomize_lora(model, lambda name: "lora_" in name, seed)
     return model
 
 
 def random_kt_lora(model, seed=2):
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_" in name:
-                p.copy_(0.2 * torch.randn(p.shape, generator=g))
+    randomize_lora(model, lambda name: "lora_" in name, seed)
 
 
 def peft_lora_grads_as_kt(pm, patched):

@@ -15,25 +15,18 @@ peft = pytest.importorskip("peft")
 
 import kt_ops  # noqa: E402
 import checkpoint_samples as samples  # noqa: E402
+from moe_testing import randomize_lora  # noqa: E402
 from test_hf_patching import rel_err  # noqa: E402
 
 R, ALPHA = 4, 8
 ATTENTION = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
 
 
-def _randomize_b(model, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_b" in name.lower() and p.requires_grad:
-                p.copy_(0.1 * torch.randn(p.shape, generator=gen))
-
-
 def _kt_with_attention_lora():
     base = samples.tiny_qwen3_moe()
     pm = kt_ops.hf.get_peft_model(kt_ops.patch_model(copy.deepcopy(base), lora_rank=R, lora_alpha=ALPHA),
                                   copy.deepcopy(ATTENTION))
-    _randomize_b(pm)
+    randomize_lora(pm, lambda name: "lora_b" in name.lower(), seed=0, scale=0.1)  # kt's B and PEFT's B
     return base, pm
 
 

@@ -34,16 +34,10 @@ def main(argv=None):
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
     model = build_model()
-    set_trainable(model, "lora+replicated" if args.train_router else "lora")
-    if args.attention_lora:
-        import peft
-        model = kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0,
-                                                                 target_modules=["q_proj", "v_proj"]))
-        gen = torch.Generator().manual_seed(11)
-        with torch.no_grad():  # PEFT starts B at 0: make every attention LoRA tensor get a gradient
-            for name, p in model.named_parameters():
-                if "lora_B" in name:
-                    p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+    if args.attention_lora and args.train_router:
+        p.error("--attention-lora and --train-router are separate cases")
+    model = set_trainable(model, "lora+peft-attention" if args.attention_lora
+                          else "lora+replicated" if args.train_router else "lora")
     gen = torch.Generator().manual_seed(0)
     data = [{"input_ids": ids, "labels": ids.clone()}
             for ids in torch.randint(0, 96, (GLOBAL_BATCH * args.steps, SEQ), generator=gen)]
