@@ -296,49 +296,56 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     peft_model = model if is_peft_model(model) else None
     base = peft_model.get_base_model() if peft_model is not None else model
     blocks = _blocks(base, "load_adapter")
+    config = read_adapter_config(adapter_dir)
+    r, alpha, scaling = _check_config(config, adapter_dir)
+    has_peft_part = bool(config.get("target_modules"))
+    owner = blocks[0][1].experts.is_owner
+    # A non-owner holds no expert LoRA: it reads the weights only for PEFT's part.
+    state = _read_adapter_weights(adapter_dir) if owner or has_peft_part else {}
+    if has_peft_part:
+        if peft_model is None:
+            peft_model = get_peft_model(base, peft_config_without_experts(config))
+        state, rest = _split_expert_keys(blocks, state)
+        _load_peft_part(peft_model, rest, adapter_dir)
+    load_adapter_state_dict(base, state if owner else {}, r=r, scaling=scaling, lora_alpha=alpha)
+    return peft_model if peft_model is not None else model
+
+
+def read_adapter_config(adapter_dir: str) -> dict:
+    """``adapter_dir/adapter_config.json``; ValueError when there is none."""
     config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
     if not os.path.isfile(config_path):
         raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
     with open(config_path) as f:
-        config = json.load(f)
-    r, alpha, scaling = _check_config(config, adapter_dir)
-    state = _read_adapter_weights(adapter_dir)
-    if config.get("target_modules"):
-        if peft_model is None:
-            peft_model = get_peft_model(base, peft_config_without_experts(config))
-        state = _load_peft_part(peft_model, blocks, state, adapter_dir)
-    kt0 = blocks[0][1].experts
-    load_adapter_state_dict(base, state if kt0.is_owner else {}, r=r, scaling=scaling, lora_alpha=alpha)
-    return peft_model if peft_model is not None else model
+        return json.load(f)
+
+
+def _split_expert_keys(blocks, state: dict) -> tuple[dict, dict]:
+    """(the tensors of the patched blocks' experts, the rest) of an adapter state dict."""
+    prefixes = tuple(f"{_PREFIX}{name}.experts." for name, _ in blocks)
+    experts = {k: v for k, v in state.items() if k.startswith(prefixes)}
+    return experts, {k: v for k, v in state.items() if k not in experts}
 
 
 def load_expert_part(model: nn.Module, adapter_dir: str) -> None:
     """Only the experts' LoRA of an adapter into a patched model (PEFT loads the rest: see
     :func:`kt_ops.hf.get_peft_model`, whose PEFT model's ``load_adapter`` calls this)."""
     blocks = _blocks(model, "load_adapter")
-    with open(os.path.join(adapter_dir, ADAPTER_CONFIG)) as f:
-        config = json.load(f)
-    r, alpha, scaling = _check_config(config, adapter_dir)
-    kt0 = blocks[0][1].experts
-    state = _read_adapter_weights(adapter_dir) if kt0.is_owner else {}
-    prefixes = tuple(f"{_PREFIX}{name}.experts." for name, _ in blocks)
-    load_adapter_state_dict(model, {k: v for k, v in state.items() if k.startswith(prefixes)}, r=r,
-                            scaling=scaling, lora_alpha=alpha)
+    r, alpha, scaling = _check_config(read_adapter_config(adapter_dir), adapter_dir)
+    state = _read_adapter_weights(adapter_dir) if blocks[0][1].experts.is_owner else {}
+    experts, _ = _split_expert_keys(blocks, state)
+    load_adapter_state_dict(model, experts, r=r, scaling=scaling, lora_alpha=alpha)
 
 
-def _load_peft_part(peft_model, blocks, state: dict, adapter_dir: str) -> dict:
-    """Loads the adapter tensors outside the patched experts through PEFT; returns the experts'."""
+def _load_peft_part(peft_model, state: dict, adapter_dir: str) -> None:
+    """The adapter tensors outside the patched experts, through PEFT."""
     from peft import set_peft_model_state_dict
 
-    expert_prefixes = tuple(f"{_PREFIX}{name}.experts." for name, _ in blocks)
-    experts = {k: v for k, v in state.items() if k.startswith(expert_prefixes)}
-    rest = {k: v for k, v in state.items() if k not in experts}
-    result = set_peft_model_state_dict(peft_model, rest)
+    result = set_peft_model_state_dict(peft_model, state)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     if unexpected:
         raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} holds tensors PEFT's modules do not take: "
                          f"{unexpected[:4]}")
-    return experts
 
 
 def _read_adapter_weights(adapter_dir: str) -> dict:

@@ -13,7 +13,6 @@ one (wrapping it with PEFT when needed).
 """
 from __future__ import annotations
 
-import json
 import math
 import os
 
@@ -60,9 +59,8 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
 
     def load_adapter(model_id, adapter_name, *args, **kwargs):
         result = peft_load(model_id, adapter_name, *args, **kwargs)
-        config = os.path.join(str(model_id), "adapter_config.json")
-        if os.path.isfile(config) and json.load(open(config)).get("target_parameters"):
-            from kt_ops.hf.adapters import load_expert_part
+        from kt_ops.hf.adapters import load_expert_part, read_adapter_config
+        if os.path.isdir(str(model_id)) and read_adapter_config(str(model_id)).get("target_parameters"):
             load_expert_part(peft_model.get_base_model(), str(model_id))
         for p in keep:
             p.requires_grad_(True)
