@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from kt_ops.layer import _BASE_NAMES, _LORA_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.layer import _BASE_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
 
 _OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
 
@@ -47,7 +47,7 @@ def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
     ``ignored_params``): this rank's owner-only expert tensors, every layer's grad anchor and
     its expert-gradient norm (a plain tensor whose .grad kt_ops sets)."""
     return {getattr(layer, leaf) for _, layer in _kt_layers(module)
-            for leaf in _OWNER_ONLY + ("grad_anchor", "expert_grad_norm")
+            for leaf in _OWNER_ONLY + _REPLICATED_NAMES
             if isinstance(getattr(layer, leaf, None), nn.Parameter)}
 
 

@@ -17,6 +17,7 @@ _layer_ids = itertools.count()
 _LORA_NAMES = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
 _BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
 _SCALE_NAMES = ("gate_scale", "up_scale", "down_scale")
+_REPLICATED_NAMES = ("grad_anchor", "expert_grad_norm")  # on every rank, owner or not (see __init__)
 
 
 @torch.compiler.assume_constant_result
@@ -110,17 +111,7 @@ class KTMoE(nn.Module):
         self.expert_replica_group = expert_replica_group
         self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
 
-        # Every rank, owner or not, holds the same 0-element parameter, requiring grad when the
-        # experts train, and adds it (as 0) to the layer's output. It keeps a rank whose own
-        # parameters are all frozen in the backward that the owner's experts need (its output
-        # requires grad), and gives DDP the same parameter set on every rank once the owner-only
-        # expert tensors are ignored (kt_ops.distributed). It holds no memory and never changes.
-        self.grad_anchor = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=bool(lora_rank or train_base))
-        # Also on every rank: after each backward, the norm of the owner's expert gradients, as
-        # the .grad of this frozen 1-element parameter off the owner (0 on it), so that gradient
-        # clipping by the norm of a rank's own parameters (clip_grad_norm_, Trainer's
-        # max_grad_norm) sees the same total norm, and clips by the same factor, on every rank.
-        self.expert_grad_norm = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.set_replicated_parameters(None, dtype, trainable=bool(lora_rank or train_base))  # default device
         # The router: x [T, H] -> (topk_weights [T, K], topk_ids [T, K]). Model integrations
         # (kt_ops.hf) pass the architecture's own router so that routing is reproduced exactly.
         self.gate = router if router is not None else SoftmaxTopKRouter(
@@ -145,6 +136,27 @@ class KTMoE(nn.Module):
                     setattr(self, name, nn.Parameter(torch.empty(shape, **cpu)))
         self.reset_parameters()
         self.register_gradient_hooks()
+
+    def set_replicated_parameters(self, device: Optional[torch.device], dtype: torch.dtype, trainable: bool) -> None:
+        """(Re)creates, on ``device`` (None: the default device), the two parameters every rank holds, owner or not:
+
+        * ``grad_anchor``: 0 elements of ``dtype``, requiring grad when the experts train
+          (``trainable``), added (as 0) to the layer's output. It keeps a rank whose own
+          parameters are all frozen in the backward that the owner's experts need (its output
+          requires grad), and gives DDP the same parameter set on every rank once the owner-only
+          expert tensors are ignored (kt_ops.distributed). It holds no memory and never changes.
+        * ``expert_grad_norm``: after each backward, the norm of the owner's expert gradients as
+          the .grad of this frozen 1-element parameter off the owner (0 on it), so that gradient
+          clipping by the norm of a rank's own parameters (clip_grad_norm_, Trainer's
+          max_grad_norm) sees the same total norm, and clips by the same factor, on every rank.
+
+        Call :meth:`register_gradient_hooks` after replacing them."""
+        self.grad_anchor = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=trainable)
+        self.expert_grad_norm = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+
+    def _unique_expert_tensors(self) -> list:
+        """The owner's expert tensors, each once (gate_lora_a and up_lora_a may be one tensor)."""
+        return list({id(p): p for p in self.expert_tensors() if p is not None}.values())
 
     @property
     def is_owner(self) -> bool:
@@ -205,7 +217,7 @@ class KTMoE(nn.Module):
         group = self.expert_replica_group
         if group is None or not self.is_owner or group.size() == 1:
             return
-        for param in {id(p): p for p in self.expert_tensors() if p is not None and p.requires_grad}.values():
+        for param in (p for p in self._unique_expert_tensors() if p.requires_grad):
             if getattr(param, "_kt_replica_hook", None) is group:
                 continue
 
@@ -225,7 +237,7 @@ class KTMoE(nn.Module):
         share = self.expert_grad_norm
         total = torch.zeros(1, dtype=torch.float64, device=share.device)
         if self.is_owner:
-            for p in {id(p): p for p in self.expert_tensors() if p is not None}.values():
+            for p in self._unique_expert_tensors():
                 if p.grad is not None:
                     total += p.grad.detach().double().pow(2).sum().to(total.device)
         group = self.process_group
@@ -272,7 +284,7 @@ class KTMoE(nn.Module):
         off an empty probe tensor, so no expert-sized copy is ever made on the device."""
         # The experts stay where they are (the grad anchor and the expert-gradient norm move like
         # any parameter).
-        experts = {k: v for k, v in self._parameters.items() if k not in ("grad_anchor", "expert_grad_norm")}
+        experts = {k: v for k, v in self._parameters.items() if k not in _REPLICATED_NAMES}
         for k in experts:
             del self._parameters[k]
         frozen_format = set(_BASE_NAMES + _SCALE_NAMES) if self.expert_format is not None else set()

@@ -190,10 +190,8 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                 _init_lora(kt, cpu, lora_seed, on_meta)
                 if on_meta:
                     kt._lora_seed = lora_seed  # for materialize_experts: the LoRA patch_model would draw
-    # The grad anchor (KTMoE.__init__) lives with the model's other parameters, like the router.
-    kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=gate_up.dtype, device=gate_up.device),
-                                  requires_grad=bool(lora_rank or train_base))
-    kt.expert_grad_norm = nn.Parameter(torch.zeros(1, device=gate_up.device), requires_grad=False)
+    # The grad anchor and the expert-gradient norm live with the model's other parameters, like the router.
+    kt.set_replicated_parameters(gate_up.device, gate_up.dtype, trainable=bool(lora_rank or train_base))
     kt.register_gradient_hooks()  # on the real parameters, not the meta ones built above
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
     experts.down_proj = None
@@ -218,9 +216,7 @@ def materialize_experts(kt: KTExperts, device: torch.device) -> None:
                 _init_lora(kt, torch.device("cpu"), kt._lora_seed, on_meta=False)
         anchor = kt.grad_anchor
         if anchor.device != torch.device(device):
-            kt.grad_anchor = nn.Parameter(torch.empty(0, dtype=anchor.dtype, device=device),
-                                          requires_grad=anchor.requires_grad)
-            kt.expert_grad_norm = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+            kt.set_replicated_parameters(device, anchor.dtype, trainable=anchor.requires_grad)
     kt.register_gradient_hooks()
 
 
