@@ -233,16 +233,15 @@ class _Plan:
         self.ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
         # transformers' keep-in-fp32 rule (e.g. DeepSeek-V3's routing bias stays fp32 in a bf16 model)
         self.dtype_plan = model._get_dtype_plan(model.dtype) if hasattr(model, "_get_dtype_plan") else {}
+        if self.dtype_plan:
+            from transformers.core_model_loading import build_glob_alternation
+            self.dtype_patterns, self.dtype_groups, _ = build_glob_alternation(list(self.dtype_plan))
 
     def dtype_of(self, target: str) -> torch.dtype:
         """The dtype transformers' from_pretrained gives a non-expert tensor."""
-        from transformers.core_model_loading import build_glob_alternation
-
-        if self.dtype_plan:
-            alternation, group_to_glob, _ = build_glob_alternation(list(self.dtype_plan))
-            found = alternation.search(target)
-            if found is not None:
-                return self.dtype_plan[group_to_glob[found.lastgroup]]
+        found = self.dtype_patterns.search(target) if self.dtype_plan else None
+        if found is not None:
+            return self.dtype_plan[self.dtype_groups[found.lastgroup]]
         return self.meta_state[target].dtype
 
     def weights_of(self, refs: list[TensorRef]) -> list[_Weight]:
@@ -436,9 +435,11 @@ class _Loader:
 
         if weight.converter is None:
             values = {weight.target: self._value(weight, weight.name)}
-        else:  # transformers' own ops (merge, split, permute...) on the stored tensors
+        else:  # transformers' own ops (merge, split, permute...) on the stored tensors, in its order
+            from transformers.core_model_loading import dot_natural_key
+
             converter = copy.deepcopy(weight.converter)
-            for name in sorted(weight.sources, key=_natural_key):
+            for name in sorted(weight.sources, key=dot_natural_key):
                 value = self._value(weight, name)
                 converter.add_tensor(weight.target, name, weight.patterns[name], lambda v=value: v)
             values = converter.convert(weight.target, model=self.model, config=self.model.config)
@@ -461,9 +462,7 @@ class _Loader:
         if slot.expert is not None:
             self._write(kt, slot.proj, slot.expert, self._stored(weight, expert=True), weight.name)
             return
-        ref = weight.parts["value"]
-        if ref.shape[0] != kt.num_experts:
-            raise ValueError(f"checkpoint: {ref.key} holds {ref.shape[0]} experts; the model has {kt.num_experts}")
+        ref = weight.parts["value"]  # its shape was checked from the header (_Plan._check_parts)
         for e in range(kt.num_experts):  # one expert at a time: a fused tensor is never read whole
             m = self._stored(weight, index=e, expert=True).data
             if slot.transposed:
@@ -478,9 +477,6 @@ class _Loader:
     @staticmethod
     def _write(kt, proj: str, e: int, matrix: StoredMatrix, name: str) -> None:
         data = getattr(kt, proj)
-        want = (kt.intermediate_size, kt.hidden_size) if proj != "down_proj" else (kt.hidden_size, kt.intermediate_size)
-        if matrix.shape != want:
-            raise ValueError(f"checkpoint: {name} has shape {list(matrix.shape)}; expert {proj} is {list(want)}")
         with torch.no_grad():
             if kt.expert_format is None:
                 data[e].copy_(matrix.to_float())
@@ -511,11 +507,6 @@ def _attach_generation_config(model: nn.Module, path: str) -> None:
     from transformers import GenerationConfig
 
     model.generation_config = GenerationConfig.from_pretrained(path)
-
-
-def _natural_key(name: str):
-    """Sort key putting ``experts.10`` after ``experts.9``."""
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
 
 
 def _ranges(values: list[int]) -> str:
