@@ -8,8 +8,8 @@ The model's experts are moved onto kt (``kt_ops.patch_model``, or ``kt_ops.hf.fr
 straight from a ``--model`` checkpoint) with LoRA on the routed experts; everything else is
 frozen. Training is a stock ``transformers.Trainer`` (``kt_ops.finetune_trainer``): AdamW,
 constant learning rate, gradient clipping, checkpoints (``--save-steps``, ``--resume``); the
-model is compiled by accelerate with ``torch.compile(fullgraph=True)`` (``--backend``, inductor
-by default) and checkpointed under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU
+model is compiled in place with ``torch.compile(fullgraph=True)`` before the Trainer wraps it
+(``--backend``, inductor by default) and checkpointed under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU
 experts and the collectives run once per step, attention and norms are recomputed;
 ``--no-checkpointing``).
 
@@ -308,9 +308,9 @@ def enable_checkpointing(model: nn.Module, context_fn: Optional[Callable]) -> No
 
 
 def expert_parameters(model: nn.Module) -> set[int]:
-    """ids of the parameters that live only on the experts' owner rank (KTMoE's own tensors)."""
-    return {id(p) for m in model.modules() if isinstance(m, kt_ops.KTMoE)
-            for p in m.parameters(recurse=False)}
+    """ids of the KT layers' own tensors (kt_ops.expert_parameters: the owner-only experts, the
+    grad anchors and expert-gradient norms)."""
+    return {id(p) for p in kt_ops.expert_parameters(model)}
 
 
 def attach_peft_lora(model: nn.Module, kt_adapter: dict, lora_rank: int, lora_alpha: float) -> nn.Module:
@@ -415,8 +415,7 @@ def _run(args, rank: int, world_size: int) -> FinetuneResult:
     if args.compare_eager and world_size > 1:
         raise ValueError("--compare-eager runs in a single process only")
 
-    base = None if args.model else build_base_model(args)
-    model = build_kt_model(args, base)
+    model = build_kt_model(args)  # the built-in model, or --model streamed from its checkpoint
     tokens, tokenizer_info = load_tokens(args, args.model, model.config.vocab_size)
     offsets = batch_offsets(len(tokens), args.seq_len, args.batch_size, args.steps, args.seed)
     init_lora = None
