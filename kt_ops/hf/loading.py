@@ -398,24 +398,26 @@ class _Loader:
             for weight in weights:
                 file = weight.first_file
                 if file != current and current is not None:
-                    self.readers.pop(current).close()  # done with that shard: drop its mapping
+                    self._close(current)  # done with that shard: drop its mapping
                 current = file
                 if weight.slot is None:
                     self._load_param(weight)
                 else:
                     self._load_expert(weight)
                 bar.update(weight.nbytes)
-        for reader in self.readers.values():
-            reader.close()
+        for file in list(self.readers):
+            self._close(file)
         self.model.kt_load_stats = self.stats
 
+    def _close(self, file: str) -> None:
+        reader = self.readers.pop(file)
+        reader.close()
+        self.stats["tensors_read"] += reader.tensors_read
+        self.stats["bytes_read"] += reader.bytes_read
+
     def _read(self, ref: TensorRef, index: Optional[int] = None, expert: bool = False) -> torch.Tensor:
-        reader = self.readers.setdefault(ref.file, ShardReader(ref.file))
-        tensor = reader.read(ref, index)
-        self.stats["tensors_read"] += 1
         self.stats["expert_tensors_read"] += int(expert)
-        self.stats["bytes_read"] += tensor.numel() * tensor.element_size()
-        return tensor
+        return self.readers.setdefault(ref.file, ShardReader(ref.file)).read(ref, index)
 
     def _stored(self, weight: _Weight, index: Optional[int] = None, expert: bool = False,
                 name: Optional[str] = None) -> StoredMatrix:
