@@ -43,11 +43,8 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
                          "experts' LoRA is kt's (kt_ops.patch_model(model, lora_rank=...)); target the other "
                          "modules with target_modules")
     kt = patched_blocks(model)[0][1].experts
-    if kt.lora_rank and (peft_config.r != kt.lora_rank or not math.isclose(float(peft_config.lora_alpha), kt.lora_alpha)):
-        # checked now, not when the adapter is saved at the end of a training run
-        raise ValueError(f"get_peft_model: peft_config has r={peft_config.r}, lora_alpha={peft_config.lora_alpha} "
-                         f"but the experts' LoRA has r={kt.lora_rank}, lora_alpha={kt.lora_alpha:g}; one PEFT adapter "
-                         "holds one rank and alpha: use the same for both")
+    if kt.lora_rank:  # checked now, not when the adapter is saved at the end of a training run
+        _check_same_lora(peft_config, kt.lora_rank, kt.lora_alpha, "get_peft_model")
     keep = [p for p in expert_parameters(model) if p.requires_grad]
     peft_model = peft.get_peft_model(model, peft_config, **kwargs)
     for p in keep:
@@ -84,6 +81,14 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
     return peft_model
 
 
+def _check_same_lora(peft_config, r: int, alpha: float, who: str) -> None:
+    """ValueError unless PEFT's LoRA has the experts' rank and alpha (one LoraConfig, one adapter)."""
+    if peft_config.r != r or not math.isclose(float(peft_config.lora_alpha), float(alpha)):
+        raise ValueError(f"{who}: peft_config has r={peft_config.r}, lora_alpha={peft_config.lora_alpha} but the "
+                         f"experts' LoRA has r={r}, lora_alpha={float(alpha):g}; one PEFT adapter holds one rank and "
+                         "alpha: use the same for both")
+
+
 def combined_adapter(peft_model, expert_state: dict, r: int, alpha: float) -> tuple[dict, dict]:
     """``(state dict, adapter config)`` of one PEFT adapter with the PEFT LoRA of ``peft_model``
     and kt's expert LoRA (``expert_state``: PEFT keys). ValueError when the two LoRAs' rank or
@@ -91,10 +96,7 @@ def combined_adapter(peft_model, expert_state: dict, r: int, alpha: float) -> tu
     from peft import get_peft_model_state_dict
 
     config = peft_model.peft_config[peft_model.active_adapter]
-    if config.r != r or not math.isclose(float(config.lora_alpha), float(alpha)):
-        raise ValueError(f"save_adapter: PEFT's LoRA has r={config.r}, lora_alpha={config.lora_alpha} but the "
-                         f"experts' has r={r}, lora_alpha={alpha}; one PEFT adapter holds one rank and alpha: "
-                         "use the same for both")
+    _check_same_lora(config, r, alpha, "save_adapter")
     state = dict(get_peft_model_state_dict(peft_model))
     overlap = sorted(set(state) & set(expert_state))
     if overlap:
