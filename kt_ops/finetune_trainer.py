@@ -36,6 +36,12 @@ class WindowDataset(torch.utils.data.Dataset):
         return {"input_ids": window, "labels": window}
 
 
+def steady_tokens_per_s(tokens_per_step: int, step_times: list[float]) -> float:
+    """Steady state: the first step (compilation, warm-up) is left out when there are more."""
+    times = step_times[1:] if len(step_times) > 1 else step_times
+    return tokens_per_step * len(times) / max(sum(times), 1e-12)
+
+
 @dataclasses.dataclass
 class RunResult:
     label: str
@@ -47,9 +53,7 @@ class RunResult:
 
     @property
     def tokens_per_s(self) -> float:
-        """Steady state: the first step (compilation, warm-up) is left out when there are more."""
-        times = self.step_times[1:] if len(self.step_times) > 1 else self.step_times
-        return self.tokens_per_step * len(times) / max(sum(times), 1e-12)
+        return steady_tokens_per_s(self.tokens_per_step, self.step_times)
 
     @property
     def tokens_per_s_median(self) -> float:
@@ -94,9 +98,8 @@ def _callbacks():
                 if self.first_step is None:
                     self.first_step = state.global_step
                 self.losses.append(float(logs["loss"]))
-                steady = self.times[1:] if len(self.times) > 1 else self.times
                 self.bar.set_postfix(loss=f"{self.losses[-1]:.4f}",
-                                     tok_s=f"{self.tokens_per_step * len(steady) / max(sum(steady), 1e-12):.0f}")
+                                     tok_s=f"{steady_tokens_per_s(self.tokens_per_step, self.times):.0f}")
                 self.bar.update(1)
 
         def on_train_end(self, args, state, control, **kwargs):
