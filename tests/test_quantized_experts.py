@@ -161,6 +161,71 @@ def test_decode_gemv_propagates_fp8_nan_codes(isa):
     assert rel_err(got[:, finite], want[:, finite]) < 1e-5
 
 
+def finite_fp8_codes(rows, cols, seed):
+    """Every fp8 byte value but the two NaN codes, subnormals (exponent bits 0) included."""
+    raw = every_byte(rows, cols, seed)
+    raw[(raw & 0x7F) == 0x7F] = 0x01  # the smallest subnormal instead of NaN
+    return raw
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_decode_gemv_on_every_byte_across_fp8_bands(isa, fmt, group, rows):
+    """Every byte value of each format over 300 rows (three fp8 128-row bands, each with its own
+    block scales) and 512 columns, against float64 on the dequantized weights: every fp8 code
+    (subnormals included) goes through the bit-pattern decode, every int4 nibble through the
+    group-sum correction."""
+    data, scale = raw_weight(fmt, group, 300, 512, f32, seed=11)
+    if fmt == "fp8":
+        data = finite_fp8_codes(300, 512, seed=11).view(torch.float8_e4m3fn)
+    x = randn(rows, 512, seed=12)
+    got = torch.ops.kt._quant_gemv_nt(x, data, scale, isa)
+    want = x.double() @ python_dequantize(data, scale).double().t()
+    assert rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["daz-off", "daz-on"])
+def test_decode_gemv_keeps_fp8_subnormals_when_denormals_are_flushed(isa, flush_denormal):
+    """fp8 subnormal weights (the only values of this weight) count as themselves whether or
+    not torch.set_flush_denormal (MXCSR's DAZ / FTZ, which kt_ops.finetune sets) is on: the
+    fp8 GEMV decodes them to float32 denormals and reads them with DAZ cleared for the call.
+    The caller's flush setting is the same afterwards."""
+    raw = torch.tensor([0x01, 0x02, 0x03, 0x04, 0x05, 0x06, 0x07, 0x81, 0x85, 0x00], dtype=torch.uint8)
+    data = raw.repeat(64, 52)[:, :512].contiguous().view(torch.float8_e4m3fn)  # [64, 512]
+    scale = torch.full((1, 4), 0.5)
+    x = randn(2, 512, seed=13)
+    before = torch.set_flush_denormal(flush_denormal)
+    try:
+        got = torch.ops.kt._quant_gemv_nt(x, data, scale, isa)
+        # A float32 denormal times 2^30 is a normal number, zero only while DAZ is (still) on.
+        assert (torch.tensor([1e-40]) * 2.0**30 == 0).item() == flush_denormal
+    finally:
+        torch.set_flush_denormal(False)
+    want = x.double() @ python_dequantize(data, scale).double().t()
+    assert want.abs().min() > 0 and rel_err(got, want) < 1e-5
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("big", [1e6, float("inf"), float("nan")], ids=["large", "inf", "nan"])
+def test_decode_gemv_fp8_bands_whose_scaled_x_would_overflow(isa, big):
+    """The fp8 GEMV carries 2^120 in x · scale; a band where |x · scale| >= 2^7 (here one x
+    entry of 1e6 against block scales of ~4e-4, or inf / NaN) takes the fp16-pattern path
+    instead, with the same results: finite ones against float64, inf / NaN where the product
+    has them."""
+    w = randn(1, 260, 384, seed=14) * 0.05
+    data, scale = quantization.quantize(w, "fp8")
+    x = randn(3, 384, seed=15)
+    x[1, 200] = big
+    assert not (big * scale[0, :, 1] < 2**7).any()  # every band's x · scale leaves the fast path
+    got = torch.ops.kt._quant_gemv_nt(x, data[0], scale[0], isa)
+    want = x.double() @ quantization.dequantize(data, scale)[0].double().t()
+    finite = want.isfinite()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
+    assert rel_err(got[finite], want[finite]) < 1e-5
+
+
 @pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])

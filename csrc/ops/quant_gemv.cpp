@@ -4,18 +4,23 @@
 // (the bf16 GEMV streams weights at the bandwidth; a quantized one must decode each value in a
 // handful of instructions to go faster than it). Per format:
 //   int8: vpmovsxbd + vcvtdq2ps per 8 values; the row's scale applied once at the end;
-//   fp8:  16 bytes sign-extended to 16 bits, shifted and masked into fp16 bit patterns (the
-//         value / 2^8, subnormals included), vcvtph2ps; per 128-column block a partial sum
-//         times the block's scale; NaN codes only detected (a row holding one is recomputed
-//         exactly);
-//   int4: 16 bytes = 32 values through two vpshufb tables of bf16 bytes and byte / word
-//         interleaves (no conversion instruction); per group a partial sum times its scale.
+//   fp8:  bytes sign-extended to 32 bits, shifted and masked into float32 bit patterns (the
+//         value / 2^120, subnormals as float32 denormals, read with DAZ cleared); x is
+//         multiplied once per 128-row band by its blocks' scales and 2^120, so the weights
+//         need no scaling at all. Bands where that would overflow take fp16 bit patterns and
+//         vcvtph2ps, one partial sum per 128-column block. NaN codes only detected (a row
+//         holding one is recomputed exactly);
+//   int4: 8 bytes zero-extended to 32 bits, low and high nibbles converted (q + 8); per group
+//         a partial sum starting from -8 · (the group's sum of x), times the group's scale.
 // Several FMA chains per x row (4 for one row, 2 for two) so that FMA latency does not bound one
-// decode row.
+// decode row. No function calls inside the row loops (see gemv_fp8_steps).
 #include "ops/quant_gemv.h"
 
 #include <immintrin.h>
 
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
 #include <vector>
 
 #include "ops/dequantize.h"
@@ -36,6 +41,24 @@ void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out
   }
 }
 
+// A float buffer on a 64-byte boundary: the kernels' 32-byte loads of x never straddle a
+// cache line (std::vector's 16-byte alignment made every other load straddle one: 25% slower
+// fp8 / int4 GEMVs in half the calls, depending on where malloc put the buffer).
+class AlignedFloats {
+ public:
+  explicit AlignedFloats(int64_t n)
+      : data_(static_cast<float*>(std::aligned_alloc(64, (std::max<int64_t>(n, 1) * sizeof(float) + 63) / 64 * 64))) {
+    TORCH_CHECK(data_ != nullptr, "quant_gemv_nt: out of memory");
+  }
+  ~AlignedFloats() { std::free(data_); }
+  AlignedFloats(const AlignedFloats&) = delete;
+  AlignedFloats& operator=(const AlignedFloats&) = delete;
+  float* data() { return data_; }
+
+ private:
+  float* data_;
+};
+
 inline float scale_value(const WeightMatrix& w, int64_t i) {
   const void* p = w.scale.const_data_ptr();
   return w.scale.scalar_type() == at::kFloat ? static_cast<const float*>(p)[i]
@@ -55,56 +78,37 @@ KT_TARGET_AVX2 inline void decode_fp8x16(const uint8_t* p, __m256& lo, __m256& h
   hi = _mm256_cvtph_ps(_mm256_extracti128_si256(words, 1));
 }
 
-// Any of the 32 bytes at p a NaN code (0x7f, 0xff): accumulated into `seen`, checked per row.
-KT_TARGET_AVX2 inline __m256i fp8_nan_codes(const uint8_t* p, __m256i seen) {
-  const __m256i b = _mm256_and_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_set1_epi8(0x7f));
-  return _mm256_or_si256(seen, _mm256_cmpeq_epi8(b, _mm256_set1_epi8(0x7f)));
+// int4, 16 columns from 8 bytes: each byte zero-extended to 32 bits, its low nibble (even
+// column) and high nibble (odd column) converted to float: q + 8 in 0..15. The 8 is
+// subtracted per group through the group's sum of x (int4_group). lo holds columns 0, 2, ..,
+// 14 and hi 1, 3, .., 15: x is permuted alike (int4_permuted_x), the dot product unchanged.
+// 5 instructions per 16 values, two of them shuffles (the nibble-table decode it replaced
+// needed 11 per 32, eight of them shuffles).
+KT_TARGET_AVX2 inline void decode_int4x16(const uint8_t* p, __m256& lo, __m256& hi) {
+  const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0x0f)));
+  hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
 }
 
-// int4, 32 columns from 16 bytes, with integer shuffles only: the low nibbles (even columns) and
-// high nibbles (odd columns) side by side, two vpshufb tables giving the two bytes of the bf16
-// of q - 8 (q - 8 = -8..7: their float32 bits are the bf16 bits followed by 16 zeros), then
-// interleaving bytes and zero words builds the float32 values directly. The shuffles work
-// within 128-bit halves, so vector q of the result holds the columns kInt4Column(q, i): x is
-// permuted alike (int4_permuted_x) and the dot product is unchanged.
-constexpr int64_t kInt4Column(int q, int i) { return 8 * q + (i < 4 ? 2 * i : 2 * i - 7); }
-
-KT_TARGET_AVX2 inline __m256i int4_bf16_table(bool high) {
-  // bf16 of -8, -7, ..., 7: 0xc100 0xc0e0 0xc0c0 0xc0a0 0xc080 0xc040 0xc000 0xbf80 0 0x3f80
-  // 0x4000 0x4040 0x4080 0x40a0 0x40c0 0x40e0.
-  return high ? _mm256_setr_epi8(int8_t(0xc1), int8_t(0xc0), int8_t(0xc0), int8_t(0xc0), int8_t(0xc0), int8_t(0xc0),
-                                 int8_t(0xc0), int8_t(0xbf), 0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40,
-                                 int8_t(0xc1), int8_t(0xc0), int8_t(0xc0), int8_t(0xc0), int8_t(0xc0), int8_t(0xc0),
-                                 int8_t(0xc0), int8_t(0xbf), 0x00, 0x3f, 0x40, 0x40, 0x40, 0x40, 0x40, 0x40)
-              : _mm256_setr_epi8(0x00, int8_t(0xe0), int8_t(0xc0), int8_t(0xa0), int8_t(0x80), 0x40, 0x00,
-                                 int8_t(0x80), 0x00, int8_t(0x80), 0x00, 0x40, int8_t(0x80), int8_t(0xa0),
-                                 int8_t(0xc0), int8_t(0xe0), 0x00, int8_t(0xe0), int8_t(0xc0), int8_t(0xa0),
-                                 int8_t(0x80), 0x40, 0x00, int8_t(0x80), 0x00, int8_t(0x80), 0x00, 0x40,
-                                 int8_t(0x80), int8_t(0xa0), int8_t(0xc0), int8_t(0xe0));
-}
-
-KT_TARGET_AVX2 inline void decode_int4x32(const uint8_t* p, __m256i table_hi, __m256i table_lo, __m256 v[4]) {
-  // The 16 bytes in both halves; the upper half shifted right by 4: low nibbles | high nibbles.
-  const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i nibbles = _mm256_and_si256(_mm256_srlv_epi32(b, _mm256_setr_epi32(0, 0, 0, 0, 4, 4, 4, 4)),
-                                           _mm256_set1_epi8(0x0f));
-  const __m256i hi = _mm256_shuffle_epi8(table_hi, nibbles), lo = _mm256_shuffle_epi8(table_lo, nibbles);
-  const __m256i words0 = _mm256_unpacklo_epi8(lo, hi), words1 = _mm256_unpackhi_epi8(lo, hi);
-  const __m256i zero = _mm256_setzero_si256();
-  v[0] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, words0));
-  v[1] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, words0));
-  v[2] = _mm256_castsi256_ps(_mm256_unpacklo_epi16(zero, words1));
-  v[3] = _mm256_castsi256_ps(_mm256_unpackhi_epi16(zero, words1));
-}
-
-// x [M, K] with each 32 columns in the order decode_int4x32 produces them.
-std::vector<float> int4_permuted_x(const float* x, int64_t M, int64_t K) {
-  std::vector<float> out(M * K);
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t c = 0; c < K; c += 32)
-      for (int q = 0; q < 4; ++q)
-        for (int i = 0; i < 8; ++i) out[m * K + c + 8 * q + i] = x[m * K + c + kInt4Column(q, i)];
-  return out;
+// out: x [M, K] with each 16 columns in decode_int4x16's order (evens, then odds);
+// neg_group_sums[(m * groups + g) * 8 + lane]: minus the sum of x[m] over group g, in each of
+// 8 lanes, a vector whose lanes add up to -8 times the group's sum.
+void int4_permuted_x(const float* x, int64_t M, int64_t K, int64_t G, float* out, float* neg_group_sums) {
+  const int64_t groups = K / G;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    for (int64_t c = 0; c < K; c += 16) {
+      for (int i = 0; i < 8; ++i) {
+        out[m * K + c + i] = xm[c + 2 * i];
+        out[m * K + c + 8 + i] = xm[c + 2 * i + 1];
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t c = g * G; c < (g + 1) * G; ++c) sum += xm[c];
+      for (int lane = 0; lane < 8; ++lane) neg_group_sums[(m * groups + g) * 8 + lane] = -sum;
+    }
+  }
 }
 
 KT_TARGET_AVX2 inline __m256 decode_int8x8(const uint8_t* p) {
@@ -160,74 +164,15 @@ KT_TARGET_AVX2 void gemv_int8(const float* x, const WeightMatrix& w, float* out)
   }
 }
 
-template <int M>
-KT_TARGET_AVX2 void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
-  constexpr int C = kChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), blocks = w.scale.size(1);
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    __m256 total[M];
-    float tail[M] = {};
-    KT_UNROLL for (int m = 0; m < M; ++m) total[m] = _mm256_setzero_ps();
-    __m256i nan_seen = _mm256_setzero_si256();
-    for (int64_t c0 = 0; c0 < K; c0 += kFp8Block) {
-      const int64_t end = std::min(K, c0 + kFp8Block);
-      const float s = scale_value(w, (r / kFp8Block) * blocks + c0 / kFp8Block);
-      __m256 part[M][C];
-      KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) part[m][j] = _mm256_setzero_ps();
-      int64_t c = c0;
-      for (; c + 32 <= end; c += 32) {
-        nan_seen = fp8_nan_codes(row + c, nan_seen);
-        __m256 v[4];
-        decode_fp8x16(row + c, v[0], v[1]);
-        decode_fp8x16(row + c + 16, v[2], v[3]);
-        KT_UNROLL for (int q = 0; q < 4; ++q)
-          KT_UNROLL for (int m = 0; m < M; ++m)
-            part[m][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * q), v[q], part[m][q % C]);
-      }
-      const __m256 sv = _mm256_set1_ps(s * 256.0f);  // the decoded values are the weights / 2^8
-      KT_UNROLL for (int m = 0; m < M; ++m) {
-        __m256 sum = part[m][0];
-        KT_UNROLL for (int j = 1; j < C; ++j) sum = _mm256_add_ps(sum, part[m][j]);
-        total[m] = _mm256_fmadd_ps(sv, sum, total[m]);
-      }
-      for (; c < end; ++c) {  // a block's columns after its last 32 (rows whose length is not a multiple of 32)
-        const float wv = fp8_e4m3_to_float(row[c]) * s;
-        KT_UNROLL for (int m = 0; m < M; ++m) tail[m] += x[m * K + c] * wv;
-      }
-    }
-    if (_mm256_movemask_epi8(nan_seen) != 0) {
-      // A NaN weight (never written by kt_ops.quantization, possible in a checkpoint): the
-      // decoding above read it as a number, so this row goes through the exact reference loop.
-      KT_UNROLL for (int m = 0; m < M; ++m) {
-        float acc = 0.f;
-        for (int64_t c = 0; c < K; ++c) {
-          acc += x[m * K + c] * fp8_e4m3_to_float(row[c]) * scale_value(w, (r / kFp8Block) * blocks + c / kFp8Block);
-        }
-        out[m * R + r] = acc;
-      }
-      continue;
-    }
-    store_row<M>(total, tail, out, R, r);
-  }
+// The largest of the 32 bytes at p with their sign bit cleared, folded into `seen`: a row
+// holds a NaN code (0x7f, 0xff) exactly when its largest such byte is 0x7f.
+KT_TARGET_AVX2 inline __m256i fp8_max_magnitude(const uint8_t* p, __m256i seen) {
+  const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm256_max_epu8(seen, _mm256_and_si256(b, _mm256_set1_epi8(0x7f)));
 }
 
-// One int4 group of G columns (its bytes at p, its scale s): the group's sum in two chains per
-// x row, times s, added to chain J of each row's total.
-template <int M, int C, int G, int J>
-KT_TARGET_AVX2 inline void int4_group(const float* x, int64_t K, const uint8_t* p, __m256 s, __m256i table_hi,
-                                      __m256i table_lo, __m256 (&total)[M][C]) {
-  __m256 part[M][2];
-  KT_UNROLL for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm256_setzero_ps();
-  KT_UNROLL for (int c = 0; c < G; c += 32) {
-    __m256 v[4];
-    decode_int4x32(p + c / 2, table_hi, table_lo, v);
-    KT_UNROLL for (int q = 0; q < 4; ++q)
-      KT_UNROLL for (int m = 0; m < M; ++m)
-        part[m][q % 2] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * q), v[q], part[m][q % 2]);
-  }
-  KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm256_fmadd_ps(s, _mm256_add_ps(part[m][0], part[m][1]), total[m][J]);
+KT_TARGET_AVX2 inline bool any_byte_is_0x7f(__m256i v) {
+  return _mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(0x7f))) != 0;
 }
 
 template <bool Bf16>
@@ -239,40 +184,274 @@ inline float load_scale(const void* scales, int64_t i) {
   }
 }
 
+// fp8 rows r0..r1 through fp16 bit patterns (decode_fp8x16), each 128-column block's partial
+// sums times its scale: the path for bands whose scaled x would overflow gemv_fp8_bits'.
+// Only whole 32-column steps here and no function call anywhere in the row loop: a call
+// (the scalar fp8 decode) made GCC keep the loop-carried NaN detector in memory, a
+// store-to-load chain per step that cost 40% of the kernel's speed. The columns after the
+// last whole step (rows whose length is not a multiple of 32) and the rows holding a NaN
+// code are finished by gemv_fp8_fixups.
+template <int M, bool Bf16>
+KT_TARGET_AVX2 void gemv_fp8_steps(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
+                                   uint8_t* nan_rows) {
+  constexpr int C = kChains<M>;
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), blocks = w.scale.size(1);
+  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
+  const void* scales = w.scale.const_data_ptr();
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = base + r * ld;
+    const int64_t s0 = (r / kFp8Block) * blocks;
+    __m256 total[M];
+    KT_UNROLL for (int m = 0; m < M; ++m) total[m] = _mm256_setzero_ps();
+    __m256i magnitude = _mm256_setzero_si256();
+    for (int64_t c0 = 0; c0 < K; c0 += kFp8Block) {
+      const int64_t end = c0 + std::min(K - c0, kFp8Block) / 32 * 32;
+      __m256 part[M][C];
+      KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) part[m][j] = _mm256_setzero_ps();
+      for (int64_t c = c0; c < end; c += 32) {
+        magnitude = fp8_max_magnitude(row + c, magnitude);
+        __m256 v[4];
+        decode_fp8x16(row + c, v[0], v[1]);
+        decode_fp8x16(row + c + 16, v[2], v[3]);
+        KT_UNROLL for (int q = 0; q < 4; ++q)
+          KT_UNROLL for (int m = 0; m < M; ++m)
+            part[m][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * q), v[q], part[m][q % C]);
+      }
+      // The decoded values are the weights / 2^8.
+      const __m256 sv = _mm256_set1_ps(load_scale<Bf16>(scales, s0 + c0 / kFp8Block) * 256.0f);
+      KT_UNROLL for (int m = 0; m < M; ++m) {
+        __m256 sum = part[m][0];
+        KT_UNROLL for (int j = 1; j < C; ++j) sum = _mm256_add_ps(sum, part[m][j]);
+        total[m] = _mm256_fmadd_ps(sv, sum, total[m]);
+      }
+    }
+    nan_rows[r] = any_byte_is_0x7f(magnitude);
+    const float no_tail[M] = {};
+    store_row<M>(total, no_tail, out, R, r);
+  }
+}
+
+// The columns gemv_fp8_steps left (K % 32 of them, all in the last 128-column block) added to
+// every row, and each row holding a NaN code recomputed exactly (such a weight, never written
+// by kt_ops.quantization but possible in a checkpoint, was decoded as a number).
+template <bool Bf16>
+void gemv_fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const uint8_t* nan_rows, float* out) {
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), blocks = w.scale.size(1), tail0 = K / 32 * 32;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
+  const void* scales = w.scale.const_data_ptr();
+  for (int64_t r = 0; r < R; ++r) {
+    const uint8_t* row = base + r * ld;
+    const int64_t s0 = (r / kFp8Block) * blocks;
+    const bool exact = nan_rows[r] != 0;
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = exact ? 0.f : out[m * R + r];
+      for (int64_t c = exact ? 0 : tail0; c < K; ++c) {
+        acc += x[m * K + c] * (fp8_e4m3_to_float(row[c]) * load_scale<Bf16>(scales, s0 + c / kFp8Block));
+      }
+      out[m * R + r] = acc;
+    }
+  }
+}
+
+// fp8 as float32 bit patterns: sign-extending a byte to 32 bits and shifting it left by 20
+// puts the sign at bit 31 and the exponent and mantissa bits at the bottom of float32's (the
+// value / 2^120; fp8 subnormals become float32 denormals, exact while DAZ is off), plus sign
+// copies at bits 27-30 that the mask clears: 3 integer instructions per 8 values and no
+// conversion. The 2^120 is carried by x (gemv_fp8_bits).
+KT_TARGET_AVX2 inline __m256 decode_fp8x8_bits(const uint8_t* p) {
+  const __m256i d = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(int32_t(0x87f00000))));
+}
+
+// Rows r0..r1 (one 128-row band: one scale per 128 columns) against xs = x times each
+// column's block scale times 2^120 (built by gemv_fp8_band): no per-block partial sums, the
+// weights need no scaling, and xs · (w / 2^120) is x·s·w. Whole 32-column steps only, no
+// calls (see gemv_fp8_steps).
+template <int M>
+KT_TARGET_AVX2 void gemv_fp8_bits(const float* xs, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
+                                  uint8_t* nan_rows) {
+  constexpr int C = kChains<M>;
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), K32 = K / 32 * 32;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = base + r * ld;
+    __m256 part[M][C];
+    KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) part[m][j] = _mm256_setzero_ps();
+    __m256i magnitude = _mm256_setzero_si256();
+    for (int64_t c = 0; c < K32; c += 32) {
+      magnitude = fp8_max_magnitude(row + c, magnitude);
+      KT_UNROLL for (int q = 0; q < 4; ++q) {
+        const __m256 v = decode_fp8x8_bits(row + c + 8 * q);
+        KT_UNROLL for (int m = 0; m < M; ++m)
+          part[m][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + m * K + c + 8 * q), v, part[m][q % C]);
+      }
+    }
+    nan_rows[r] = any_byte_is_0x7f(magnitude);
+    __m256 total[M];
+    KT_UNROLL for (int m = 0; m < M; ++m) {
+      total[m] = part[m][0];
+      KT_UNROLL for (int j = 1; j < C; ++j) total[m] = _mm256_add_ps(total[m], part[m][j]);
+    }
+    const float no_tail[M] = {};
+    store_row<M>(total, no_tail, out, R, r);
+  }
+}
+
+// xs[m, c] = x[m, c] · scale[c / 128] · 2^120 for the M rows of x. Returns whether every
+// |x · scale| < 2^7 (false for a NaN or inf in x): then xs is finite, and so is every partial
+// sum of gemv_fp8_bits (|x · scale · w| < 2^7 · 448 per term).
+KT_TARGET_AVX2 bool scale_x_by_blocks(const float* x, int64_t M, int64_t K, const float* block_scales, float* xs) {
+  const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), two_120 = _mm256_set1_ps(0x1p120f);
+  const __m256 bound = _mm256_set1_ps(0x1p7f);
+  __m256 too_large = _mm256_setzero_ps();
+  bool tail_too_large = false;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t c0 = 0; c0 < K; c0 += kFp8Block) {
+      const int64_t end = std::min(K, c0 + kFp8Block);
+      const float s = block_scales[c0 / kFp8Block];
+      int64_t c = c0;
+      for (; c + 8 <= end; c += 8) {
+        const __m256 v = _mm256_mul_ps(_mm256_loadu_ps(x + m * K + c), _mm256_set1_ps(s));
+        // "not less than" is also true for NaN.
+        too_large = _mm256_or_ps(too_large, _mm256_cmp_ps(_mm256_and_ps(v, magnitude_mask), bound, _CMP_NLT_UQ));
+        _mm256_storeu_ps(xs + m * K + c, _mm256_mul_ps(v, two_120));
+      }
+      for (; c < end; ++c) {
+        const float v = x[m * K + c] * s;
+        tail_too_large |= !(std::abs(v) < 0x1p7f);
+        xs[m * K + c] = v * 0x1p120f;
+      }
+    }
+  }
+  return !tail_too_large && _mm256_movemask_ps(too_large) == 0;
+}
+
+// One 128-row band r0..r1: xs = x times its column blocks' scales times 2^120 when every
+// |x · scale| < 2^7 (xs finite, and so every partial sum), then gemv_fp8_bits; else the fp16
+// path.
+template <int M, bool Bf16>
+void gemv_fp8_band(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* block_scales, float* xs,
+                   float* out, uint8_t* nan_rows) {
+  const int64_t K = w.cols, blocks = w.scale.size(1);
+  const void* scales = w.scale.const_data_ptr();
+  for (int64_t b = 0; b < blocks; ++b) block_scales[b] = load_scale<Bf16>(scales, (r0 / kFp8Block) * blocks + b);
+  if (!scale_x_by_blocks(x, M, K, block_scales, xs)) {
+    gemv_fp8_steps<M, Bf16>(x, w, r0, r1, out, nan_rows);
+  } else {
+    gemv_fp8_bits<M>(xs, w, r0, r1, out, nan_rows);
+  }
+}
+
+// Denormals are read as zero while MXCSR.DAZ is set (torch.set_flush_denormal(True), which
+// kt_ops.finetune sets): gemv_fp8_bits' subnormal weights are float32 denormals, so the bit
+// is cleared for the call and restored after it (this thread's MXCSR only).
+class DenormalsAsInputs {
+ public:
+  DenormalsAsInputs() : saved_(_mm_getcsr()) {
+    if (saved_ & kDaz) _mm_setcsr(saved_ & ~kDaz);
+  }
+  ~DenormalsAsInputs() {
+    if (saved_ & kDaz) _mm_setcsr(saved_);
+  }
+  DenormalsAsInputs(const DenormalsAsInputs&) = delete;
+  DenormalsAsInputs& operator=(const DenormalsAsInputs&) = delete;
+
+ private:
+  static constexpr unsigned kDaz = 0x0040;
+  unsigned saved_;
+};
+
+template <int M, bool Bf16>
+void gemv_fp8_scales(const float* x, const WeightMatrix& w, float* out) {
+  std::vector<uint8_t> nan_rows(w.rows);
+  AlignedFloats xs(M * w.cols);
+  std::vector<float> block_scales(w.scale.size(1));
+  {
+    const DenormalsAsInputs daz_off;
+    for (int64_t r0 = 0; r0 < w.rows; r0 += kFp8Block) {
+      gemv_fp8_band<M, Bf16>(x, w, r0, std::min(w.rows, r0 + kFp8Block), block_scales.data(), xs.data(), out,
+                             nan_rows.data());
+    }
+  }
+  if (w.cols % 32 != 0 || std::any_of(nan_rows.begin(), nan_rows.end(), [](uint8_t v) { return v != 0; })) {
+    gemv_fp8_fixups<Bf16>(x, M, w, nan_rows.data(), out);
+  }
+}
+
+template <int M>
+void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
+  if (w.scale.scalar_type() == at::kBFloat16) return gemv_fp8_scales<M, true>(x, w, out);
+  gemv_fp8_scales<M, false>(x, w, out);
+}
+
+// One int4 group of G columns (its bytes at p, its scale at s): in two chains per x row, the
+// first starting from -8 · (the group's sum of x) spread over 8 lanes, so that the chains add
+// up to sum(x · (q + 8)) - 8 · sum(x) = sum(x · q); times the scale, added to chain J of the
+// row's total.
+template <int M, int C, int G, int J>
+KT_TARGET_AVX2 inline void int4_group(const float* x, int64_t K, const uint8_t* p, const float* s,
+                                      const float* neg_sums, int64_t groups, __m256 (&total)[M][C]) {
+  __m256 part[M][2];
+  KT_UNROLL for (int m = 0; m < M; ++m) {
+    part[m][0] = _mm256_loadu_ps(neg_sums + m * groups * 8);
+    part[m][1] = _mm256_setzero_ps();
+  }
+  KT_UNROLL for (int c = 0; c < G; c += 16) {
+    __m256 lo, hi;
+    decode_int4x16(p + c / 2, lo, hi);
+    KT_UNROLL for (int m = 0; m < M; ++m) {
+      part[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c), lo, part[m][0]);
+      part[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8), hi, part[m][1]);
+    }
+  }
+  const __m256 sv = _mm256_broadcast_ss(s);
+  KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm256_fmadd_ps(sv, _mm256_add_ps(part[m][0], part[m][1]), total[m][J]);
+}
+
+// The row's group scales as float32 (bf16 ones converted, 8 at a time), so that each group's
+// scale is one broadcast load.
+template <bool Bf16>
+KT_TARGET_AVX2 inline const float* row_scales(const void* scales, int64_t s0, int64_t groups, float* buffer) {
+  if constexpr (!Bf16) {
+    return static_cast<const float*>(scales) + s0;
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(buffer + g, simd::load8_bf16(src + g));
+    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
+    return buffer;
+  }
+}
+
 // Groups of G columns, scales of dtype bf16 (Bf16) or float32: both compile-time, so that a
 // group is straight-line code. Group gi goes to chain gi % C, unrolled by C so that the totals
-// stay in registers.
+// stay in registers. x permuted and the negated group sums from int4_permuted_x.
 template <int M, int G, bool Bf16>
-KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const WeightMatrix& w, float* out) {
+KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
+                                     float* out) {
   constexpr int C = kChains<M>;
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
-  const __m256i table_hi = int4_bf16_table(true), table_lo = int4_bf16_table(false);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
-    const int64_t s0 = r * groups;
+    const float* s = row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
     __m256 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm256_setzero_ps();
     int64_t gi = 0;
     for (; gi + C <= groups; gi += C) {
       const float* xg = x + gi * G;
+      const float* ng = neg_sums + gi * 8;
       const uint8_t* pg = row + gi * (G / 2);
-      int4_group<M, C, G, 0>(xg, K, pg, _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi)), table_hi, table_lo, total);
-      if constexpr (C > 1) {
-        int4_group<M, C, G, (C > 1)>(xg + G, K, pg + G / 2, _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi + 1)),
-                                     table_hi, table_lo, total);
-      }
+      int4_group<M, C, G, 0>(xg, K, pg, s + gi, ng, groups, total);
+      if constexpr (C > 1) int4_group<M, C, G, (C > 1)>(xg + G, K, pg + G / 2, s + gi + 1, ng + 8, groups, total);
       if constexpr (C > 2) {
-        int4_group<M, C, G, 2 * (C > 2)>(xg + 2 * G, K, pg + G, _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi + 2)),
-                                         table_hi, table_lo, total);
-        int4_group<M, C, G, 3 * (C > 2)>(xg + 3 * G, K, pg + 3 * G / 2,
-                                         _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi + 3)), table_hi, table_lo, total);
+        int4_group<M, C, G, 2 * (C > 2)>(xg + 2 * G, K, pg + G, s + gi + 2, ng + 16, groups, total);
+        int4_group<M, C, G, 3 * (C > 2)>(xg + 3 * G, K, pg + 3 * G / 2, s + gi + 3, ng + 24, groups, total);
       }
     }
     for (; gi < groups; ++gi) {
-      int4_group<M, C, G, 0>(x + gi * G, K, row + gi * (G / 2), _mm256_set1_ps(load_scale<Bf16>(scales, s0 + gi)),
-                             table_hi, table_lo, total);
+      int4_group<M, C, G, 0>(x + gi * G, K, row + gi * (G / 2), s + gi, neg_sums + gi * 8, groups, total);
     }
     __m256 sum[M];
     float tail[M] = {};
@@ -286,13 +465,17 @@ KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const WeightMatrix& w, floa
 
 template <int M>
 void gemv_int4(const float* x_in, const WeightMatrix& w, float* out) {
-  const std::vector<float> x_permuted = int4_permuted_x(x_in, M, w.cols);
+  const int64_t K = w.cols, G = w.group, groups = K / G;
+  AlignedFloats x_permuted(M * K), neg_sums(M * groups * 8), scale_buffer(groups);
+  int4_permuted_x(x_in, M, K, G, x_permuted.data(), neg_sums.data());
   const float* x = x_permuted.data();
+  const float* n = neg_sums.data();
+  float* sb = scale_buffer.data();
   const bool bf16 = w.scale.scalar_type() == at::kBFloat16;
-  switch (w.group) {
-    case 32: return bf16 ? gemv_int4_groups<M, 32, true>(x, w, out) : gemv_int4_groups<M, 32, false>(x, w, out);
-    case 64: return bf16 ? gemv_int4_groups<M, 64, true>(x, w, out) : gemv_int4_groups<M, 64, false>(x, w, out);
-    default: return bf16 ? gemv_int4_groups<M, 128, true>(x, w, out) : gemv_int4_groups<M, 128, false>(x, w, out);
+  switch (G) {
+    case 32: return bf16 ? gemv_int4_groups<M, 32, true>(x, n, w, sb, out) : gemv_int4_groups<M, 32, false>(x, n, w, sb, out);
+    case 64: return bf16 ? gemv_int4_groups<M, 64, true>(x, n, w, sb, out) : gemv_int4_groups<M, 64, false>(x, n, w, sb, out);
+    default: return bf16 ? gemv_int4_groups<M, 128, true>(x, n, w, sb, out) : gemv_int4_groups<M, 128, false>(x, n, w, sb, out);
   }
 }
 
