@@ -79,6 +79,20 @@ void for_each_tile(const ThinView& v) {
   }
 }
 
+// Software prefetch of the next tile's weight rows (for_each_tile's next r0 = r0 + 8), one
+// cache line of each per 64 bytes of this tile's rows: with rows of 1.5 KB (bf16, K = 768:
+// a Qwen3-30B-A3B down projection) a tile's 8 short row streams ended before the hardware
+// prefetcher caught up, and the GEMV streamed weights at 7 GB/s instead of 16.
+template <int RJ>
+inline void prefetch_next_tile(const ThinView& v, int64_t r0, int64_t byte_offset, int element_bytes) {
+  KT_UNROLL for (int j = 0; j < RJ; ++j) {
+    const int64_t r = r0 + 8 + j;
+    if (r < v.R) {
+      _mm_prefetch(static_cast<const char*>(v.w) + (r * v.ldw) * element_bytes + byte_offset, _MM_HINT_T1);
+    }
+  }
+}
+
 // ---- AVX512-BF16: 32 bf16 per step, vdpbf16ps straight on the rows -------------------------
 
 template <int MR, int RJ>
@@ -146,7 +160,9 @@ struct TileAvx2 {
     KT_UNROLL for (int i = 0; i < MR; ++i)
       KT_UNROLL for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
     const int64_t k_full = v.K / 8 * 8;
+    const int element_bytes = v.in_bf16 ? 2 : 4;
     for (int64_t k = 0; k < k_full; k += 8) {
+      if ((k * element_bytes) % 64 == 0) prefetch_next_tile<RJ>(v, r0, k * element_bytes, element_bytes);
       __m256 xv[MR];
       KT_UNROLL for (int i = 0; i < MR; ++i) xv[i] = load8(v.x, v.in_bf16, (m0 + i) * v.ldx + k);
       KT_UNROLL for (int j = 0; j < RJ; ++j) {
@@ -188,6 +204,7 @@ struct TileAvx2Bf16 {
         KT_UNROLL for (int j = 0; j < RJ; ++j) acc[i][j] = _mm256_setzero_ps();
       const int64_t k_full = v.K / 16 * 16;
       for (int64_t k = 0; k < k_full; k += 16) {
+        if (k % 32 == 0) prefetch_next_tile<RJ>(v, r0, 2 * k, 2);
         __m256 xlo[MR], xhi[MR];
         KT_UNROLL for (int i = 0; i < MR; ++i) {
           const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(x + (m0 + i) * v.ldx + k));
