@@ -117,9 +117,17 @@ KT_TARGET_AVX2 inline __m256 decode_int8x8(const uint8_t* p) {
 
 // ---- the AVX2 kernels: out[m, r] for every row r of w, M (1..4) rows of x ([M, K] float32) ----
 
-// FMA chains per x row: 4 for one row, 2 for two, 1 for three or four.
+// FMA chains per x row: 4 for one or two rows, 2 for three or four: at least 8 independent
+// chains (two FMA units, 4 cycles each) where the registers allow. Fewer (2 for two rows, 1
+// for three or four) left each row's FMAs waiting on each other: the 2- and 4-row decode
+// GEMVs ran at about half the FMA rate.
 template <int M>
-constexpr int kChains = M == 1 ? 4 : M == 2 ? 2 : 1;
+constexpr int kChains = M <= 2 ? 4 : 2;
+
+// int4's totals take one FMA per group, its group sums the two chains of int4_group: fewer
+// totals for more rows keep every accumulator in a register.
+template <int M>
+constexpr int kInt4TotalChains = M == 1 ? 4 : M == 2 ? 2 : 1;
 
 template <int M>
 KT_TARGET_AVX2 inline void store_row(const __m256 (&total)[M], const float (&tail)[M], float* out, int64_t R, int64_t r) {
@@ -429,7 +437,7 @@ KT_TARGET_AVX2 inline const float* row_scales(const void* scales, int64_t s0, in
 template <int M, int G, bool Bf16>
 KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
                                      float* out) {
-  constexpr int C = kChains<M>;
+  constexpr int C = kInt4TotalChains<M>;
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
