@@ -134,43 +134,6 @@ KT_TARGET_AVX2 inline void store_row(const __m256 (&total)[M], const float (&tai
   KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = simd::hsum8(total[m]) + tail[m];
 }
 
-template <int M>
-KT_TARGET_AVX2 void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
-  constexpr int C = kChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0);
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    __m256 part[M][C];
-    KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) part[m][j] = _mm256_setzero_ps();
-    int64_t c = 0;
-    for (; c + 32 <= K; c += 32) {
-      KT_UNROLL for (int q = 0; q < 4; ++q) {
-        const __m256 wv = decode_int8x8(row + c + 8 * q);
-        KT_UNROLL for (int m = 0; m < M; ++m)
-          part[m][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8 * q), wv, part[m][q % C]);
-      }
-    }
-    for (; c + 8 <= K; c += 8) {
-      const __m256 wv = decode_int8x8(row + c);
-      KT_UNROLL for (int m = 0; m < M; ++m) part[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c), wv, part[m][0]);
-    }
-    const float s = scale_value(w, r);
-    const __m256 sv = _mm256_set1_ps(s);
-    __m256 total[M];
-    float tail[M] = {};
-    KT_UNROLL for (int m = 0; m < M; ++m) {
-      __m256 sum = part[m][0];
-      KT_UNROLL for (int j = 1; j < C; ++j) sum = _mm256_add_ps(sum, part[m][j]);
-      total[m] = _mm256_mul_ps(sv, sum);
-    }
-    for (; c < K; ++c) {
-      const float wv = static_cast<float>(static_cast<int8_t>(row[c])) * s;
-      KT_UNROLL for (int m = 0; m < M; ++m) tail[m] += x[m * K + c] * wv;
-    }
-    store_row<M>(total, tail, out, R, r);
-  }
-}
 
 // The largest of the 32 bytes at p with their sign bit cleared, folded into `seen`: a row
 // holds a NaN code (0x7f, 0xff) exactly when its largest such byte is 0x7f.
@@ -271,38 +234,120 @@ KT_TARGET_AVX2 inline __m256 decode_fp8x8_bits(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(int32_t(0x87f00000))));
 }
 
+// RJ weight rows r..r+RJ at once against M rows of x, whole 32-column steps (K32 columns):
+// each x vector is loaded once for the RJ rows. Decoding one weight row at a time loaded
+// every x vector once per row: at 2-4 x rows the loads, not the FMAs, bound the kernel (a
+// 2-row GEMV 1.5x and a 4-row one 3x slower per weight than a 1-row one). Decode is a
+// decoder type (Fp8Bits, Int8Values); with CheckNan, *nan is set when any of the RJ rows
+// holds a NaN code. sums[m][j] = the row's dot products, unscaled.
+struct Fp8Bits {
+  static constexpr bool kCheckNan = true;
+  KT_TARGET_AVX2 static __m256 decode(const uint8_t* p) { return decode_fp8x8_bits(p); }
+};
+struct Int8Values {
+  static constexpr bool kCheckNan = false;
+  KT_TARGET_AVX2 static __m256 decode(const uint8_t* p) { return decode_int8x8(p); }
+};
+
+template <class Decoder, int M, int RJ, int C>
+KT_TARGET_AVX2 inline void dot_rows(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
+                                    float (&sums)[M][RJ], bool* nan) {
+  __m256 part[M][RJ][C];
+  KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < RJ; ++j) KT_UNROLL for (int i = 0; i < C; ++i)
+    part[m][j][i] = _mm256_setzero_ps();
+  __m256i magnitude = _mm256_setzero_si256();
+  for (int64_t c = 0; c < K32; c += 32) {
+    if constexpr (Decoder::kCheckNan) {
+      KT_UNROLL for (int j = 0; j < RJ; ++j) magnitude = fp8_max_magnitude(row + j * ld + c, magnitude);
+    }
+    KT_UNROLL for (int q = 0; q < 4; ++q) {
+      __m256 xv[M];
+      KT_UNROLL for (int m = 0; m < M; ++m) xv[m] = _mm256_loadu_ps(x + m * K + c + 8 * q);
+      KT_UNROLL for (int j = 0; j < RJ; ++j) {
+        const __m256 v = Decoder::decode(row + j * ld + c + 8 * q);
+        KT_UNROLL for (int m = 0; m < M; ++m) part[m][j][q % C] = _mm256_fmadd_ps(xv[m], v, part[m][j][q % C]);
+      }
+    }
+  }
+  if constexpr (Decoder::kCheckNan) *nan = any_byte_is_0x7f(magnitude);
+  KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < RJ; ++j) {
+    __m256 t = part[m][j][0];
+    KT_UNROLL for (int i = 1; i < C; ++i) t = _mm256_add_ps(t, part[m][j][i]);
+    sums[m][j] = simd::hsum8(t);
+  }
+}
+
+// Weight rows per pass and FMA chains per (x row, weight row), by x rows: at least 8
+// accumulators (two FMA units of 4 cycles) within AVX2's 16 registers.
+template <int M>
+constexpr int kRowsPerPass = M == 1 ? 1 : M == 2 ? 4 : 2;
+template <int M>
+constexpr int kPassChains = M == 1 ? 4 : 1;
+
+// Rows r0..r1 of w through dot_rows, kRowsPerPass<M> at a time (the rest one by one); out[m, r]
+// = row_scale(r) · sums. NaN rows are flagged in nan_rows (all rows of the pass).
+template <class Decoder, int M, class RowScale>
+KT_TARGET_AVX2 void dot_row_range(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
+                                  uint8_t* nan_rows, const RowScale& row_scale) {
+  constexpr int RJ = kRowsPerPass<M>, C = kPassChains<M>;
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), K32 = K / 32 * 32;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
+  int64_t r = r0;
+  for (; r + RJ <= r1; r += RJ) {
+    float sums[M][RJ];
+    bool nan = false;
+    dot_rows<Decoder, M, RJ, C>(x, K, K32, base + r * ld, ld, sums, &nan);
+    KT_UNROLL for (int j = 0; j < RJ; ++j) {
+      if (nan_rows != nullptr) nan_rows[r + j] = nan;
+      const float s = row_scale(r + j);
+      KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r + j] = s * sums[m][j];
+    }
+  }
+  for (; r < r1; ++r) {
+    float sums[M][1];
+    bool nan = false;
+    dot_rows<Decoder, M, 1, 4>(x, K, K32, base + r * ld, ld, sums, &nan);
+    if (nan_rows != nullptr) nan_rows[r] = nan;
+    const float s = row_scale(r);
+    KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = s * sums[m][0];
+  }
+}
+
+struct UnitScale {
+  float operator()(int64_t) const { return 1.f; }
+};
+
 // Rows r0..r1 (one 128-row band: one scale per 128 columns) against xs = x times each
 // column's block scale times 2^120 (built by gemv_fp8_band): no per-block partial sums, the
 // weights need no scaling, and xs · (w / 2^120) is x·s·w. Whole 32-column steps only, no
 // calls (see gemv_fp8_steps).
 template <int M>
-KT_TARGET_AVX2 void gemv_fp8_bits(const float* xs, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
-                                  uint8_t* nan_rows) {
-  constexpr int C = kChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), K32 = K / 32 * 32;
+void gemv_fp8_bits(const float* xs, const WeightMatrix& w, int64_t r0, int64_t r1, float* out, uint8_t* nan_rows) {
+  dot_row_range<Fp8Bits, M>(xs, w, r0, r1, out, nan_rows, UnitScale{});
+}
+
+template <int M, bool Bf16>
+void gemv_int8_scales(const float* x, const WeightMatrix& w, float* out) {
+  const void* scales = w.scale.const_data_ptr();
+  dot_row_range<Int8Values, M>(x, w, 0, w.rows, out, nullptr,
+                               [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
+  // Columns after the last whole 32-column step (rows whose length is not a multiple of 32).
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0);
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = base + r * ld;
-    __m256 part[M][C];
-    KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) part[m][j] = _mm256_setzero_ps();
-    __m256i magnitude = _mm256_setzero_si256();
-    for (int64_t c = 0; c < K32; c += 32) {
-      magnitude = fp8_max_magnitude(row + c, magnitude);
-      KT_UNROLL for (int q = 0; q < 4; ++q) {
-        const __m256 v = decode_fp8x8_bits(row + c + 8 * q);
-        KT_UNROLL for (int m = 0; m < M; ++m)
-          part[m][q % C] = _mm256_fmadd_ps(_mm256_loadu_ps(xs + m * K + c + 8 * q), v, part[m][q % C]);
-      }
+  for (int64_t r = 0; r < R && K % 32 != 0; ++r) {
+    const float s = load_scale<Bf16>(scales, r);
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t c = K / 32 * 32; c < K; ++c) acc += x[m * K + c] * (static_cast<float>(static_cast<int8_t>(base[r * ld + c])) * s);
+      out[m * R + r] += acc;
     }
-    nan_rows[r] = any_byte_is_0x7f(magnitude);
-    __m256 total[M];
-    KT_UNROLL for (int m = 0; m < M; ++m) {
-      total[m] = part[m][0];
-      KT_UNROLL for (int j = 1; j < C; ++j) total[m] = _mm256_add_ps(total[m], part[m][j]);
-    }
-    const float no_tail[M] = {};
-    store_row<M>(total, no_tail, out, R, r);
   }
+}
+
+template <int M>
+void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
+  if (w.scale.scalar_type() == at::kBFloat16) return gemv_int8_scales<M, true>(x, w, out);
+  gemv_int8_scales<M, false>(x, w, out);
 }
 
 // xs[m, c] = x[m, c] · scale[c / 128] · 2^120 for the M rows of x. Returns whether every
