@@ -76,3 +76,11 @@ def test_quant_gemv_times_every_format_from_memory_and_cache():
     rows = quant_gemv.main(["--hidden", "128", "--intermediate", "32", "--experts", "3", "--repeats", "1"])
     assert [r["kernel"] for r in rows] == ["bf16", "fp8", "int8", "int4"]
     assert all(float(r[k]) > 0 for r in rows for k in ("memory_ms", "cache_ms", "memory_gw", "cache_gw"))
+
+
+def test_decode_formats_times_every_format():
+    out = subprocess.run([sys.executable, "-m", "benchmarks.decode_formats", "--tokens", "1", "3", "--experts", "8",
+                          "--hidden", "256", "--intermediate", "128", "--top-k", "2", "--rounds", "1"],
+                         cwd=REPO, check=True, timeout=300, capture_output=True, text=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("T=")]
+    assert len(lines) == 2 and all(f" {fmt} " in f" {line}" for line in lines for fmt in ("bf16", "fp8", "int8", "int4"))
