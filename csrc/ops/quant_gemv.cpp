@@ -553,29 +553,59 @@ void gemv_avx2(const float* x, const WeightMatrix& w, float* out) {
 
 }  // namespace
 
-at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa) {
-  TORCH_INTERNAL_ASSERT(w.quantized() && x.dim() == 2 && x.size(1) == w.cols);
-  const int64_t M = x.size(0);
-  const at::Tensor xf = x.to(at::kFloat).contiguous();
-  at::Tensor out = at::empty({M, w.rows}, x.options().dtype(at::kFloat));
-  const float* xp = xf.const_data_ptr<float>();
-  float* op = out.mutable_data_ptr<float>();
-  if (isa == CpuIsa::kPortable) {
-    gemv_reference(xp, M, w, op);
-  } else {
-    // Four x rows at a time (decode blocks have at most 4: moe_forward's kGemvMaxRows).
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const float* xm = xp + m0 * w.cols;
-      float* om = op + m0 * w.rows;
-      switch (std::min<int64_t>(4, M - m0)) {
-        case 1: gemv_avx2<1>(xm, w, om); break;
-        case 2: gemv_avx2<2>(xm, w, om); break;
-        case 3: gemv_avx2<3>(xm, w, om); break;
-        default: gemv_avx2<4>(xm, w, om); break;
-      }
+namespace {
+
+void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, float* out) {
+  if (isa == CpuIsa::kPortable) return gemv_reference(x, M, w, out);
+  // Four x rows at a time (decode blocks have at most 4: moe_forward's kGemvMaxRows).
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    const float* xm = x + m0 * w.cols;
+    float* om = out + m0 * w.rows;
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: gemv_avx2<1>(xm, w, om); break;
+      case 2: gemv_avx2<2>(xm, w, om); break;
+      case 3: gemv_avx2<3>(xm, w, om); break;
+      default: gemv_avx2<4>(xm, w, om); break;
     }
   }
-  return x.scalar_type() == at::kFloat ? out : out.to(x.scalar_type());
+}
+
+KT_TARGET_AVX2 void floats_to_bf16(const float* src, int64_t n, uint16_t* dst) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) simd::store8_bf16(dst + i, _mm256_loadu_ps(src + i));
+  for (; i < n; ++i) dst[i] = simd::float_to_bf16(src[i]);
+}
+
+}  // namespace
+
+at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa) {
+  TORCH_INTERNAL_ASSERT(w.quantized() && x.dim() == 2 && x.size(1) == w.cols);
+  const int64_t M = x.size(0), K = w.cols, R = w.rows;
+  at::Tensor out = at::empty({M, R}, x.options());
+  if (M == 0 || R == 0) return out;
+  const bool contiguous_rows = x.stride(1) == 1 && x.stride(0) == K;
+  if (x.scalar_type() == at::kFloat && contiguous_rows) {
+    run_gemv(x.const_data_ptr<float>(), M, w, isa, out.mutable_data_ptr<float>());
+  } else if (x.scalar_type() == at::kBFloat16 && contiguous_rows) {
+    // Converted and written back here rather than by at::Tensor::to: a decode step makes three
+    // of these calls per expert, and each conversion through ATen cost a few microseconds.
+    AlignedFloats xf(M * K), of(M * R);
+    const uint16_t* xb = static_cast<const uint16_t*>(x.const_data_ptr());
+    for (int64_t i = 0; i < M * K; ++i) xf.data()[i] = simd::bf16_to_float(xb[i]);
+    run_gemv(xf.data(), M, w, isa, of.data());
+    uint16_t* ob = static_cast<uint16_t*>(out.mutable_data_ptr());
+    if (isa == CpuIsa::kPortable) {
+      for (int64_t i = 0; i < M * R; ++i) ob[i] = simd::float_to_bf16(of.data()[i]);
+    } else {
+      floats_to_bf16(of.data(), M * R, ob);
+    }
+  } else {  // float64 activations or strided rows
+    const at::Tensor xf = x.to(at::kFloat).contiguous();
+    at::Tensor of = at::empty({M, R}, x.options().dtype(at::kFloat));
+    run_gemv(xf.const_data_ptr<float>(), M, w, isa, of.mutable_data_ptr<float>());
+    out.copy_(of);
+  }
+  return out;
 }
 
 }  // namespace kt

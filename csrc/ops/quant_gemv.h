@@ -1,6 +1,7 @@
 // out = x·wᵀ for decode-sized blocks (x a few rows) on a quantized expert weight w [R, K]:
 // one pass over w's quantized bytes (half of bf16's for fp8 / int8, a quarter for int4),
-// each row dequantized into an L1-resident float32 buffer and dotted with every row of x.
+// decoded in registers and used for every row of x (the reference loop dequantizes a row
+// into a float32 buffer instead).
 // x: float32 or bfloat16 [M, K] (converted to float32 once); out [M, R] in x's dtype,
 // accumulated in float32. The portable path runs the reference loops, every other path the
 // AVX2 kernels. Single-threaded: callers run it inside their own parallel blocks.
