@@ -23,6 +23,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "ops/convert_rows.h"
 #include "ops/dequantize.h"
 #include "ops/simd.h"
 
@@ -58,12 +59,6 @@ class AlignedFloats {
  private:
   float* data_;
 };
-
-inline float scale_value(const WeightMatrix& w, int64_t i) {
-  const void* p = w.scale.const_data_ptr();
-  return w.scale.scalar_type() == at::kFloat ? static_cast<const float*>(p)[i]
-                                             : simd::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-}
 
 // ---- decoders: consecutive columns -> vectors of 8 floats in column order ---------------------
 
@@ -130,8 +125,8 @@ template <int M>
 constexpr int kInt4TotalChains = M == 1 ? 4 : M == 2 ? 2 : 1;
 
 template <int M>
-KT_TARGET_AVX2 inline void store_row(const __m256 (&total)[M], const float (&tail)[M], float* out, int64_t R, int64_t r) {
-  KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = simd::hsum8(total[m]) + tail[m];
+KT_TARGET_AVX2 inline void store_row(const __m256 (&total)[M], float* out, int64_t R, int64_t r) {
+  KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = simd::hsum8(total[m]);
 }
 
 
@@ -197,8 +192,7 @@ KT_TARGET_AVX2 void gemv_fp8_steps(const float* x, const WeightMatrix& w, int64_
       }
     }
     nan_rows[r] = any_byte_is_0x7f(magnitude);
-    const float no_tail[M] = {};
-    store_row<M>(total, no_tail, out, R, r);
+    store_row<M>(total, out, R, r);
   }
 }
 
@@ -234,13 +228,7 @@ KT_TARGET_AVX2 inline __m256 decode_fp8x8_bits(const uint8_t* p) {
   return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(d, 20), _mm256_set1_epi32(int32_t(0x87f00000))));
 }
 
-// RJ weight rows r..r+RJ at once against M rows of x, whole 32-column steps (K32 columns):
-// each x vector is loaded once for the RJ rows. Decoding one weight row at a time loaded
-// every x vector once per row: at 2-4 x rows the loads, not the FMAs, bound the kernel (a
-// 2-row GEMV 1.5x and a 4-row one 3x slower per weight than a 1-row one). Decode is a
-// decoder type (Fp8Bits, Int8Values); with CheckNan, *nan is set when any of the RJ rows
-// holds a NaN code. sums[m][j] = the row's dot products, unscaled. The first prefetch_rows
-// rows after these RJ are prefetched.
+// The decoders of dot_rows: 8 consecutive columns of one weight row as floats.
 struct Fp8Bits {
   static constexpr bool kCheckNan = true;
   KT_TARGET_AVX2 static __m256 decode(const uint8_t* p) { return decode_fp8x8_bits(p); }
@@ -250,6 +238,13 @@ struct Int8Values {
   KT_TARGET_AVX2 static __m256 decode(const uint8_t* p) { return decode_int8x8(p); }
 };
 
+// RJ weight rows r..r+RJ at once against M rows of x, whole 32-column steps (K32 columns):
+// each x vector is loaded once for the RJ rows. Decoding one weight row at a time loaded
+// every x vector once per row: at 2-4 x rows the loads, not the FMAs, bound the kernel (a
+// 2-row GEMV 1.5x and a 4-row one 3x slower per weight than a 1-row one). Decode is a
+// decoder type (Fp8Bits, Int8Values); with CheckNan, *nan is set when any of the RJ rows
+// holds a NaN code. sums[m][j] = the row's dot products, unscaled. The first prefetch_rows
+// rows after these RJ are prefetched.
 template <class Decoder, int M, int RJ, int C>
 KT_TARGET_AVX2 inline void dot_rows(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
                                     int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
@@ -344,7 +339,8 @@ void gemv_int8_scales(const float* x, const WeightMatrix& w, float* out) {
   // Columns after the last whole 32-column step (rows whose length is not a multiple of 32).
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0);
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  for (int64_t r = 0; r < R && K % 32 != 0; ++r) {
+  if (K % 32 == 0) return;
+  for (int64_t r = 0; r < R; ++r) {
     const float s = load_scale<Bf16>(scales, r);
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
@@ -517,12 +513,11 @@ KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, cons
       int4_group<M, C, G, 0>(x + gi * G, K, row + gi * (G / 2), s + gi, neg_sums + gi * 8, groups, total);
     }
     __m256 sum[M];
-    float tail[M] = {};
     KT_UNROLL for (int m = 0; m < M; ++m) {
       sum[m] = total[m][0];
       KT_UNROLL for (int j = 1; j < C; ++j) sum[m] = _mm256_add_ps(sum[m], total[m][j]);
     }
-    store_row<M>(sum, tail, out, R, r);
+    store_row<M>(sum, out, R, r);
   }
 }
 
@@ -551,10 +546,6 @@ void gemv_avx2(const float* x, const WeightMatrix& w, float* out) {
   }
 }
 
-}  // namespace
-
-namespace {
-
 void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, float* out) {
   if (isa == CpuIsa::kPortable) return gemv_reference(x, M, w, out);
   // Four x rows at a time (decode blocks have at most 4: moe_forward's kGemvMaxRows).
@@ -570,12 +561,6 @@ void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, floa
   }
 }
 
-KT_TARGET_AVX2 void floats_to_bf16(const float* src, int64_t n, uint16_t* dst) {
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) simd::store8_bf16(dst + i, _mm256_loadu_ps(src + i));
-  for (; i < n; ++i) dst[i] = simd::float_to_bf16(src[i]);
-}
-
 }  // namespace
 
 at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa) {
@@ -583,22 +568,16 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
   const int64_t M = x.size(0), K = w.cols, R = w.rows;
   at::Tensor out = at::empty({M, R}, x.options());
   if (M == 0 || R == 0) return out;
-  const bool contiguous_rows = x.stride(1) == 1 && x.stride(0) == K;
-  if (x.scalar_type() == at::kFloat && contiguous_rows) {
+  if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == K) {
     run_gemv(x.const_data_ptr<float>(), M, w, isa, out.mutable_data_ptr<float>());
-  } else if (x.scalar_type() == at::kBFloat16 && contiguous_rows) {
-    // Converted and written back here rather than by at::Tensor::to: a decode step makes three
-    // of these calls per expert, and each conversion through ATen cost a few microseconds.
+  } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
+    // Converted and written back by convert_rows.h's kernels rather than at::Tensor::to: a
+    // decode step makes three of these calls per expert, and each conversion through ATen cost
+    // a few microseconds.
     AlignedFloats xf(M * K), of(M * R);
-    const uint16_t* xb = static_cast<const uint16_t*>(x.const_data_ptr());
-    for (int64_t i = 0; i < M * K; ++i) xf.data()[i] = simd::bf16_to_float(xb[i]);
+    bf16_rows_to_float(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), xf.data(), K, M, K, isa);
     run_gemv(xf.data(), M, w, isa, of.data());
-    uint16_t* ob = static_cast<uint16_t*>(out.mutable_data_ptr());
-    if (isa == CpuIsa::kPortable) {
-      for (int64_t i = 0; i < M * R; ++i) ob[i] = simd::float_to_bf16(of.data()[i]);
-    } else {
-      floats_to_bf16(of.data(), M * R, ob);
-    }
+    float_rows_to_bf16(of.data(), R, static_cast<uint16_t*>(out.mutable_data_ptr()), R, M, R, isa);
   } else {  // float64 activations or strided rows
     const at::Tensor xf = x.to(at::kFloat).contiguous();
     at::Tensor of = at::empty({M, R}, x.options().dtype(at::kFloat));
