@@ -121,6 +121,27 @@ def test_dequantize_kernel_equals_the_python_dequantize_on_every_byte(isa, fmt, 
         assert got.isnan().any()  # the NaN codes were decoded as NaN
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("scale_dtype", [f32, bf16], ids=["fp32-scales", "bf16-scales"])
+def test_dequantize_kernel_to_bf16_and_column_blocks(isa, fmt, group, scale_dtype):
+    """bf16 output (the native bf16 panels) = the float32 dequantization rounded to nearest
+    even, bit for bit; a block of columns [128, 256) and the tail [256, end) equal those columns
+    of the whole dequantization, in both dtypes."""
+    cols = 300 if fmt != "int4" else 3 * 128
+    data, scale = raw_weight(fmt, group, 130, cols, scale_dtype, seed=4)
+    want = python_dequantize(data, scale)
+    got = torch.ops.kt._dequantize(data, scale, isa, bf16)
+    torch.testing.assert_close(got, want.to(bf16), rtol=0, atol=0, equal_nan=True)
+    for dtype in (f32, bf16):
+        block = torch.ops.kt._dequantize(data, scale, isa, dtype, 128, 128)
+        tail = torch.ops.kt._dequantize(data, scale, isa, dtype, 256)
+        torch.testing.assert_close(block, want[:, 128:256].to(dtype), rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(tail, want[:, 256:].to(dtype), rtol=0, atol=0, equal_nan=True)
+    with pytest.raises(ValueError, match="col0"):
+        torch.ops.kt._dequantize(data, scale, isa, f32, 64)
+
+
 # Every format on 384 columns; fp8 and int8 also on 139 (int4 rows are whole groups).
 GEMV_SHAPES = [(f, g, 384) for f, g in FORMATS] + [("fp8", None, 139), ("int8", None, 139)]
 
@@ -242,6 +263,37 @@ def test_panel_gemms_match_float64(isa, fmt, group, dtype):
     assert nt.dtype == dtype and nn_.dtype == dtype
     assert rel_err(nt, x.double() @ deq.t()) < TOLERANCE[dtype]
     assert rel_err(nn_, d.double() @ deq + add.double()) < TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_quantized_gemm_route_of_each_path(isa):
+    """bf16 activations on avx512_bf16 take bf16 panels and oneDNN's bf16 GEMMs (float32 panels
+    would run at float32 GEMM speed, 2-3x slower there); everything else float panels."""
+    with kt_ops.use_cpu_isa(isa):
+        assert torch.ops.kt._quant_gemm_path(bf16) == ("bf16_panels_onednn" if isa == "avx512_bf16" else "fp32_panels_mkl")
+        assert torch.ops.kt._quant_gemm_path(f32) == "fp32_panels_mkl"
+        assert torch.ops.kt._quant_gemm_path(f64) == "fp64_panels_mkl"
+
+
+@pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
+@pytest.mark.parametrize("fmt,group,cols", [("fp8", None, 300), ("int8", None, 300), ("int4", 32, 384)],
+                         ids=["fp8", "int8", "int4-g32"])
+def test_bf16_panels_over_several_panels(isa, fmt, group, cols):
+    """The bf16 panels of avx512_bf16 on a [1500, cols] weight: x·wᵀ in two row panels (1024 +
+    476 rows for 512 Ki values), d·w + addend in column panels of 256 (the last partial), each
+    against float64 on the bf16-rounded dequantized weights (the weights a bf16 expert holds)."""
+    w = randn(1, 1500, cols, seed=16) * 0.05
+    data, scale = quantization.quantize(w, fmt, group)
+    deq = quantization.dequantize(data, scale)[0].to(bf16).double()
+    x, d, add = randn(37, cols, seed=17, dtype=bf16), randn(37, 1500, seed=18, dtype=bf16), randn(37, cols, seed=19, dtype=bf16)
+    with kt_ops.use_cpu_isa(isa):
+        nt = torch.ops.kt._quant_mm_nt(x, data[0], scale[0])
+        nn_ = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], add)
+        nn_plain = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], None)
+    # One bf16 rounding of each output: within 2^-8 of the exact value, elementwise.
+    for got, want in ((nt, x.double() @ deq.t()), (nn_, d.double() @ deq + add.double()), (nn_plain, d.double() @ deq)):
+        assert got.dtype == bf16
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
 
 
 # ---- kt.moe -----------------------------------------------------------------------------------

@@ -30,6 +30,10 @@ bool native_bf16_gemms();
 // "onednn_bf16" or "bf16_to_fp32_panels". Reported by the benchmarks.
 const char* base_gemm_path(at::ScalarType dtype);
 
+// How the panel GEMMs on quantized weights run for activations of `dtype` on the active path:
+// "bf16_panels_onednn" (bf16 on avx512_bf16), "fp32_panels_mkl" or "fp64_panels_mkl".
+const char* quantized_gemm_path(at::ScalarType dtype);
+
 // x·wᵀ: x [M, K], w [N, K] (rows contiguous) -> [M, N] in x's dtype.
 at::Tensor base_mm_nt(const at::Tensor& x, const at::Tensor& w);
 
@@ -44,7 +48,10 @@ void base_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 
 // The same on an expert's weight in any format (expert_weights.h): dense weights as above,
 // quantized ones dequantized panel by panel into float32 (float64 for float64 inputs), the
-// float GEMM accumulating in float32 and rounding once, as for bf16 on the panel path.
+// float GEMM accumulating in float32 and rounding once, as for bf16 on the panel path; with
+// bf16 activations on the avx512_bf16 path into bf16 panels for oneDNN's bf16 GEMMs instead
+// (each weight q·s rounded to bf16, as a bf16 expert holds it; float32 accumulation, one
+// rounding of each output).
 at::Tensor base_mm_nt(const at::Tensor& x, const WeightMatrix& w);
 at::Tensor base_mm_nn(const at::Tensor& d, const WeightMatrix& w);
 void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w);
@@ -54,7 +61,8 @@ void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w)
 at::Tensor thin_gemm_nt(const at::Tensor& x, const WeightMatrix& w);
 
 // The same GEMMs forcing the bf16-to-float32 panel path whatever the CPU (tests compare it with
-// ATen). Any floating dtype; the result is rounded to the inputs' dtype.
+// ATen); on quantized weights the panels of the path (bf16 ones for bf16 on avx512_bf16). Any
+// floating dtype; the result is rounded to the inputs' dtype.
 at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w);
 at::Tensor panel_mm_nn(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend);
 void panel_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);

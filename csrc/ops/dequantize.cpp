@@ -1,6 +1,7 @@
-// Kernels of dequantize_rows (see dequantize.h): the reference loop, then the AVX2 kernel.
-// Each row is cut into segments of one scale (an fp8 block's 128 columns, an int4 group, the
-// whole row for int8); a segment is 8 (fp8, int8) or 16 (int4) values per vector step.
+// Kernels of dequantize_block (see dequantize.h): the reference loop, then the AVX2 and the
+// AVX-512 kernels. Each row is cut into segments of one scale (an fp8 block's 128 columns, an
+// int4 group, the whole row for int8); a segment is 8 / 16 values per AVX2 / AVX-512 step (16 /
+// 32 for int4), its last few fp8 / int8 columns through the reference's scalar decode.
 #include "ops/dequantize.h"
 
 #include <c10/util/Float8_e4m3fn.h>
@@ -50,67 +51,138 @@ inline float raw_value(const WeightMatrix& w, const uint8_t* row, int64_t c) {
   }
 }
 
-void dequantize_reference(const WeightMatrix& w, int64_t row0, int64_t rows, float* dst, int64_t ld) {
+// One dequantized value into a float32 or (rounded to nearest even) bfloat16 element.
+inline void put(float* p, float v) { *p = v; }
+inline void put(uint16_t* p, float v) { *p = simd::float_to_bf16(v); }
+
+template <typename T>
+void dequantize_reference(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t col0, int64_t col1, T* dst,
+                          int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = row_bytes(w, row0 + r);
-    for (int64_t c = 0; c < w.cols;) {
+    T* out = dst + r * ld;
+    for (int64_t c = col0; c < col1;) {
       const Segment seg = segment(w, row0 + r, c);
-      for (; c < seg.end; ++c) dst[r * ld + c] = raw_value(w, src, c) * seg.scale;
+      for (const int64_t end = std::min(seg.end, col1); c < end; ++c) put(out + (c - col0), raw_value(w, src, c) * seg.scale);
     }
   }
 }
 
+// ---- AVX2 / F16C: 8 values per step ----------------------------------------------------------
+
 // 8 float8 e4m3fn bytes -> 8 floats, exactly: the 7 magnitude bits shifted into an fp16's
 // exponent and mantissa give the value / 2^8 (F16C converts fp16 subnormals exactly, so fp8
 // subnormals are exact too); the magnitude 0x7f is NaN.
-KT_TARGET_AVX2 inline __m256 fp8x8_times(const uint8_t* p, __m256 scale_times_256) {
+KT_TARGET_AVX2 inline __m128i fp8x8_as_fp16(const uint8_t* p) {
   const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   const __m128i mag = _mm_and_si128(b, _mm_set1_epi16(0x7f));
-  __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(int16_t(0x8000))));
-  h = _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
-  return _mm256_mul_ps(_mm256_cvtph_ps(h), scale_times_256);
+  const __m128i h = _mm_or_si128(_mm_slli_epi16(mag, 7), _mm_and_si128(_mm_slli_epi16(b, 8), _mm_set1_epi16(int16_t(0x8000))));
+  return _mm_or_si128(h, _mm_and_si128(_mm_cmpeq_epi16(mag, _mm_set1_epi16(0x7f)), _mm_set1_epi16(0x7e00)));
 }
 
-KT_TARGET_AVX2 inline __m256 int8x8_times(const uint8_t* p, __m256 scale) {
-  const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
-  return _mm256_mul_ps(_mm256_cvtepi32_ps(v), scale);
-}
+KT_TARGET_AVX2 inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+KT_TARGET_AVX2 inline void store8(uint16_t* p, __m256 v) { simd::store8_bf16(p, v); }
 
-// 8 bytes of int4 (16 values, in column order) -> two vectors of 8 floats.
-KT_TARGET_AVX2 inline void int4x16_times(const uint8_t* p, __m256 scale, __m256& lo8, __m256& hi8) {
-  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
-  const __m128i mask = _mm_set1_epi8(0x0f);
-  const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-  const __m128i values = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));  // 16 columns in order
-  lo8 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values)), scale);
-  hi8 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8))), scale);
-}
-
-KT_TARGET_AVX2 void dequantize_avx2(const WeightMatrix& w, int64_t row0, int64_t rows, float* dst, int64_t ld) {
+template <typename T>
+KT_TARGET_AVX2 void dequantize_avx2(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t col0, int64_t col1,
+                                    T* dst, int64_t ld) {
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = row_bytes(w, row0 + r);
-    float* out = dst + r * ld;
-    for (int64_t c = 0; c < w.cols;) {
+    T* out = dst + r * ld;
+    for (int64_t c = col0; c < col1;) {
       const Segment seg = segment(w, row0 + r, c);
+      const int64_t end = std::min(seg.end, col1);
       if (w.format == WeightFormat::kInt4) {  // segments are whole groups: multiples of 32 columns
         const __m256 s = _mm256_set1_ps(seg.scale);
-        for (; c < seg.end; c += 16) {
-          __m256 a, b;
-          int4x16_times(src + c / 2, s, a, b);
-          _mm256_storeu_ps(out + c, a);
-          _mm256_storeu_ps(out + c + 8, b);
+        for (; c < end; c += 16) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c / 2));
+          const __m128i mask = _mm_set1_epi8(0x0f);
+          const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+          const __m128i values = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));  // 16 columns in order
+          store8(out + (c - col0), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values)), s));
+          store8(out + (c - col0) + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8))), s));
         }
         continue;
       }
       if (w.format == WeightFormat::kFp8) {
         const __m256 s = _mm256_set1_ps(seg.scale * 256.0f);
-        for (; c + 8 <= seg.end; c += 8) _mm256_storeu_ps(out + c, fp8x8_times(src + c, s));
+        for (; c + 8 <= end; c += 8) store8(out + (c - col0), _mm256_mul_ps(_mm256_cvtph_ps(fp8x8_as_fp16(src + c)), s));
       } else {
         const __m256 s = _mm256_set1_ps(seg.scale);
-        for (; c + 8 <= seg.end; c += 8) _mm256_storeu_ps(out + c, int8x8_times(src + c, s));
+        for (; c + 8 <= end; c += 8) {
+          const __m256i v = _mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c)));
+          store8(out + (c - col0), _mm256_mul_ps(_mm256_cvtepi32_ps(v), s));
+        }
       }
-      for (; c < seg.end; ++c) out[c] = raw_value(w, src, c) * seg.scale;
+      for (; c < end; ++c) put(out + (c - col0), raw_value(w, src, c) * seg.scale);
     }
+  }
+}
+
+// ---- AVX-512: 16 values per step (32 for int4) --------------------------------------------------
+
+// fp8x8_as_fp16 on 16 bytes.
+KT_TARGET_AVX512 inline __m256i fp8x16_as_fp16(const uint8_t* p) {
+  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
+  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
+                                    _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(int16_t(0x8000))));
+  return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7e00)));
+}
+
+KT_TARGET_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+// The integer rounding of store16_bf16 equals vcvtneps2bf16's: one kernel serves avx512 and
+// avx512_bf16.
+KT_TARGET_AVX512 inline void store16(uint16_t* p, __m512 v) { simd::store16_bf16(p, v); }
+
+template <typename T>
+KT_TARGET_AVX512 void dequantize_avx512(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t col0, int64_t col1,
+                                        T* dst, int64_t ld) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* src = row_bytes(w, row0 + r);
+    T* out = dst + r * ld;
+    for (int64_t c = col0; c < col1;) {
+      const Segment seg = segment(w, row0 + r, c);
+      const int64_t end = std::min(seg.end, col1);
+      if (w.format == WeightFormat::kInt4) {  // whole groups: multiples of 32 columns
+        const __m512 s = _mm512_set1_ps(seg.scale);
+        for (; c < end; c += 32) {
+          const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c / 2));
+          const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
+          const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+          const __m128i first = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);  // columns c .. c+15
+          const __m128i second = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);  // c+16 .. c+31
+          store16(out + (c - col0), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), s));
+          store16(out + (c - col0) + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), s));
+        }
+        continue;
+      }
+      if (w.format == WeightFormat::kFp8) {
+        const __m512 s = _mm512_set1_ps(seg.scale * 256.0f);
+        for (; c + 16 <= end; c += 16) store16(out + (c - col0), _mm512_mul_ps(_mm512_cvtph_ps(fp8x16_as_fp16(src + c)), s));
+      } else {
+        const __m512 s = _mm512_set1_ps(seg.scale);
+        for (; c + 16 <= end; c += 16) {
+          const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
+          store16(out + (c - col0), _mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
+        }
+      }
+      for (; c < end; ++c) put(out + (c - col0), raw_value(w, src, c) * seg.scale);
+    }
+  }
+}
+
+template <typename T>
+void dequantize_on(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t col0, int64_t cols, T* dst, int64_t ld,
+                   CpuIsa isa) {
+  const int64_t col1 = col0 + cols;
+  TORCH_INTERNAL_ASSERT(w.quantized() && row0 >= 0 && row0 + rows <= w.rows && col0 >= 0 && col1 <= w.cols &&
+                        col0 % kFp8Block == 0 && (col1 % kFp8Block == 0 || col1 == w.cols));
+  switch (isa) {
+    case CpuIsa::kAvx512Bf16:
+    case CpuIsa::kAvx512: return dequantize_avx512(w, row0, rows, col0, col1, dst, ld);
+    case CpuIsa::kAvx2: return dequantize_avx2(w, row0, rows, col0, col1, dst, ld);
+    case CpuIsa::kPortable: return dequantize_reference(w, row0, rows, col0, col1, dst, ld);
   }
 }
 
@@ -118,13 +190,18 @@ KT_TARGET_AVX2 void dequantize_avx2(const WeightMatrix& w, int64_t row0, int64_t
 
 float fp8_e4m3_to_float(uint8_t v) { return static_cast<float>(c10::Float8_e4m3fn(v, c10::Float8_e4m3fn::from_bits())); }
 
+void dequantize_block(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t col0, int64_t cols, float* dst,
+                      int64_t ld, CpuIsa isa) {
+  dequantize_on(w, row0, rows, col0, cols, dst, ld, isa);
+}
+
+void dequantize_block(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t col0, int64_t cols, uint16_t* dst,
+                      int64_t ld, CpuIsa isa) {
+  dequantize_on(w, row0, rows, col0, cols, dst, ld, isa);
+}
+
 void dequantize_rows(const WeightMatrix& w, int64_t row0, int64_t rows, float* dst, int64_t ld, CpuIsa isa) {
-  TORCH_INTERNAL_ASSERT(w.quantized() && row0 >= 0 && row0 + rows <= w.rows);
-  if (isa == CpuIsa::kPortable) {
-    dequantize_reference(w, row0, rows, dst, ld);
-  } else {
-    dequantize_avx2(w, row0, rows, dst, ld);
-  }
+  dequantize_on(w, row0, rows, int64_t{0}, w.cols, dst, ld, isa);
 }
 
 }  // namespace kt

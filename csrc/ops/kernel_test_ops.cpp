@@ -55,12 +55,26 @@ WeightMatrix quantized_matrix(const at::Tensor& weight, const at::Tensor& scale)
   return expert_weights(weight.unsqueeze(0), scale.unsqueeze(0)).expert(0);
 }
 
-at::Tensor dequantize_op(const at::Tensor& weight, const at::Tensor& scale, const std::string& isa) {
+at::Tensor dequantize_op(const at::Tensor& weight, const at::Tensor& scale, const std::string& isa,
+                         at::ScalarType dtype, int64_t col0, int64_t cols) {
   const WeightMatrix w = quantized_matrix(weight, scale);
-  at::Tensor out = at::empty({w.rows, w.cols}, weight.options().dtype(at::kFloat));
-  dequantize_rows(w, 0, w.rows, out.mutable_data_ptr<float>(), out.stride(0), parse_cpu_isa(isa, "isa"));
+  if (cols < 0) cols = w.cols - col0;
+  TORCH_CHECK_VALUE(col0 >= 0 && col0 % kFp8Block == 0 && col0 + cols <= w.cols &&
+                        ((col0 + cols) % kFp8Block == 0 || col0 + cols == w.cols),
+                    "_dequantize: columns [col0, col0 + cols) must start at a multiple of 128 and end at one or at ",
+                    "the last column, got col0=", col0, " cols=", cols, " of ", w.cols);
+  const CpuIsa path = parse_cpu_isa(isa, "isa");
+  at::Tensor out = at::empty({w.rows, cols}, weight.options().dtype(dtype));
+  if (dtype == at::kFloat) {
+    dequantize_block(w, 0, w.rows, col0, cols, out.mutable_data_ptr<float>(), cols, path);
+  } else {
+    TORCH_CHECK_VALUE(dtype == at::kBFloat16, "_dequantize: dtype must be float32 or bfloat16, got ", dtype);
+    dequantize_block(w, 0, w.rows, col0, cols, reinterpret_cast<uint16_t*>(out.mutable_data_ptr()), cols, path);
+  }
   return out;
 }
+
+std::string quant_gemm_path_op(at::ScalarType dtype) { return quantized_gemm_path(dtype); }
 
 at::Tensor quant_gemv_op(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& scale, const std::string& isa) {
   return quant_gemv_nt(x, quantized_matrix(weight, scale), parse_cpu_isa(isa, "isa"));
@@ -121,6 +135,7 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_best_cpu_isa", &best_isa);
   m.impl("_set_cpu_isa", &set_cpu_isa);
   m.impl("_base_gemm_path", &base_gemm_path_op);
+  m.impl("_quant_gemm_path", &quant_gemm_path_op);
   m.impl("_set_weight_packing", &set_weight_packing);
   m.impl("_weight_packing_enabled", &weight_packing_enabled);
   m.impl("_packed_weights_info", &packed_weights_info);

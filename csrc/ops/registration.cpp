@@ -108,9 +108,11 @@ TORCH_LIBRARY(kt, m) {
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
   m.def("_panel_mm_tn(Tensor a, Tensor b) -> Tensor");
   m.def("_convert_rows(Tensor src, ScalarType dtype, str isa) -> Tensor");
-  // One expert's quantized weight (csrc/ops/expert_weights.h) dequantized to float32 on a path,
-  // its decode GEMV on a path, and its panel GEMMs x·wᵀ, d·w [+ addend] (active path).
-  m.def("_dequantize(Tensor weight, Tensor scale, str isa) -> Tensor");
+  // One expert's quantized weight (csrc/ops/expert_weights.h) dequantized to float32 or bf16
+  // on a path (columns [col0, col0 + cols), all of them for cols = -1), its decode GEMV on a
+  // path, its panel GEMMs x·wᵀ, d·w [+ addend] (active path), and the route those take.
+  m.def("_dequantize(Tensor weight, Tensor scale, str isa, ScalarType dtype=float, int col0=0, int cols=-1) -> Tensor");
+  m.def("_quant_gemm_path(ScalarType dtype) -> str");
   m.def("_quant_gemv_nt(Tensor x, Tensor weight, Tensor scale, str isa) -> Tensor");
   m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("_quant_mm_nn(Tensor d, Tensor weight, Tensor scale, Tensor? addend) -> Tensor");
