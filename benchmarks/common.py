@@ -58,10 +58,11 @@ def cpu_flags(names: Sequence[str] = CPU_FLAGS) -> Optional[Dict[str, bool]]:
 def code_path() -> dict:
     """The CPU code path kt_ops takes in this process: ``cpu_isa`` (its kernels' instruction set
     now) and ``best_cpu_isa``, ``base_gemm_path`` of bf16 base GEMMs (``onednn_bf16`` or
-    ``bf16_to_fp32_panels``), ``weight_packing``
-    (bool), ``env`` (each of PATH_ENV: its value or ``unset``) and ``cpu_flags`` (cpu_flags())."""
+    ``bf16_to_fp32_panels``), ``quantized_gemm_path`` of bf16 activations on quantized experts
+    (``bf16_panels_onednn`` or ``fp32_panels_mkl``), ``weight_packing`` (bool), ``env`` (each of PATH_ENV: its value or ``unset``) and ``cpu_flags`` (cpu_flags())."""
     return dict(cpu_isa=kt_ops.cpu_isa(), best_cpu_isa=best_cpu_isa(),
                 base_gemm_path=torch.ops.kt._base_gemm_path(torch.bfloat16),
+                quantized_gemm_path=torch.ops.kt._quant_gemm_path(torch.bfloat16),
                 weight_packing=kt_ops.weight_packing_enabled(),
                 env={v: os.environ.get(v, "unset") for v in PATH_ENV}, cpu_flags=cpu_flags())
 

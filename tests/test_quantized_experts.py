@@ -276,12 +276,13 @@ def test_quantized_gemm_route_of_each_path(isa):
 
 
 @pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
-@pytest.mark.parametrize("fmt,group,cols", [("fp8", None, 300), ("int8", None, 300), ("int4", 32, 384)],
+@pytest.mark.parametrize("fmt,group,cols", [("fp8", None, 1100), ("int8", None, 1100), ("int4", 32, 1024)],
                          ids=["fp8", "int8", "int4-g32"])
 def test_bf16_panels_over_several_panels(isa, fmt, group, cols):
-    """The bf16 panels of avx512_bf16 on a [1500, cols] weight: x·wᵀ in two row panels (1024 +
-    476 rows for 512 Ki values), d·w + addend in column panels of 256 (the last partial), each
-    against float64 on the bf16-rounded dequantized weights (the weights a bf16 expert holds)."""
+    """The bf16 panels of avx512_bf16 (1 Mi values each) on a [1500, cols] weight: x·wᵀ in two
+    row panels of 752 rows (the second partial), d·w + addend in two column panels of 640 or 512
+    (fp8/int8's second ending mid-block at column 1100), each against float64 on the
+    bf16-rounded dequantized weights (the weights a bf16 expert holds)."""
     w = randn(1, 1500, cols, seed=16) * 0.05
     data, scale = quantization.quantize(w, fmt, group)
     deq = quantization.dequantize(data, scale)[0].to(bf16).double()

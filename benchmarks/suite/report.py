@@ -70,7 +70,7 @@ def code_path_text(meta: dict) -> str:
         missing = [f for f, on in flags.items() if not on]
         listed += f" (not {' '.join(missing)})" if missing else ""
     return (f"kt_ops path {meta['cpu_isa']} (best here {meta['best_cpu_isa']}) | bf16 base "
-            f"GEMM {meta['base_gemm_path']} | weight packing "
+            f"GEMM {meta['base_gemm_path']} (quantized experts {meta.get('quantized_gemm_path', '?')}) | weight packing "
             f"{'on' if meta['weight_packing'] else 'off'} | {env} | {listed}")
 
 
