@@ -30,7 +30,10 @@ def main(argv=None):
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--top-k", type=int, default=8)
     p.add_argument("--rounds", type=int, default=15, help="timed rounds (8 calls per format each)")
+    p.add_argument("--isas", nargs="+", default=None,
+                   help="kt_ops paths to alternate with the formats in the same rounds (default: the active one)")
     args = p.parse_args(argv)
+    isas = args.isas or [kt_ops.cpu_isa()]
     E, H, I, K = args.experts, args.hidden, args.intermediate, args.top_k
     gen = torch.Generator().manual_seed(0)
     dense = [torch.randn(E, I, H, generator=gen).to(torch.bfloat16) * 0.02,
@@ -38,7 +41,7 @@ def main(argv=None):
              torch.randn(E, H, I, generator=gen).to(torch.bfloat16) * 0.02]
     experts = {fmt: [quantization.quantize(t, fmt, group) if fmt != "bf16" else (t, None) for t in dense]
                for fmt, group in FORMATS}
-    print(f"kt.moe decode forward, E={E} H={H} I={I} K={K}, bf16 activations, path {kt_ops.cpu_isa()}, "
+    print(f"kt.moe decode forward, E={E} H={H} I={I} K={K}, bf16 activations, path {' / '.join(isas)}, "
           f"CPU {cpu_model()}; median ms per call (x bf16 speed)")
     for T in args.tokens:
         x = torch.randn(T, H, generator=gen).to(torch.bfloat16)
@@ -52,18 +55,23 @@ def main(argv=None):
 
         for threads in args.threads:
             torch.set_num_threads(threads)
-            for fmt, _ in FORMATS:  # warm-up
-                call(fmt, 0)
-            times = {fmt: [] for fmt, _ in FORMATS}
+            variants = [(isa, fmt) for isa in isas for fmt, _ in FORMATS]
+            for isa, fmt in variants:  # warm-up
+                with kt_ops.use_cpu_isa(isa):
+                    call(fmt, 0)
+            times = {v: [] for v in variants}
             for r in range(args.rounds):
-                for fmt, _ in FORMATS:
-                    t0 = time.perf_counter()
-                    for i in range(8):
-                        call(fmt, r * 8 + i)
-                    times[fmt].append((time.perf_counter() - t0) / 8)
-            med = {fmt: statistics.median(v) for fmt, v in times.items()}
-            cells = "  ".join(f"{fmt} {med[fmt] * 1e3:.2f} ms ({med['bf16'] / med[fmt]:.2f}x)" for fmt, _ in FORMATS)
-            print(f"T={T:<3} threads={threads}  {cells}")
+                for isa, fmt in variants:
+                    with kt_ops.use_cpu_isa(isa):
+                        t0 = time.perf_counter()
+                        for i in range(8):
+                            call(fmt, r * 8 + i)
+                        times[isa, fmt].append((time.perf_counter() - t0) / 8)
+            med = {v: statistics.median(t) for v, t in times.items()}
+            for isa in isas:
+                cells = "  ".join(f"{fmt} {med[isa, fmt] * 1e3:.2f} ms ({med[isa, 'bf16'] / med[isa, fmt]:.2f}x)"
+                                  for fmt, _ in FORMATS)
+                print(f"T={T:<3} threads={threads}  {isa + '  ' if len(isas) > 1 else ''}{cells}")
 
 
 if __name__ == "__main__":

@@ -5,6 +5,10 @@ import os
 import subprocess
 import sys
 
+import pytest
+
+from kt_ops.cpu_isa import supported_cpu_isas
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -84,3 +88,14 @@ def test_decode_formats_times_every_format():
                          cwd=REPO, check=True, timeout=300, capture_output=True, text=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("T=")]
     assert len(lines) == 2 and all(f" {fmt} " in f" {line}" for line in lines for fmt in ("bf16", "fp8", "int8", "int4"))
+
+
+@pytest.mark.skipif("avx2" not in supported_cpu_isas(), reason="this CPU cannot run avx2")
+def test_decode_formats_alternates_paths():
+    """--isas times every (path, format) pair in the same rounds: one line per path and T."""
+    out = subprocess.run([sys.executable, "-m", "benchmarks.decode_formats", "--tokens", "2", "--experts", "8",
+                          "--hidden", "256", "--intermediate", "128", "--top-k", "2", "--rounds", "1",
+                          "--isas", "portable", "avx2"],
+                         cwd=REPO, check=True, timeout=300, capture_output=True, text=True).stdout
+    lines = [line for line in out.splitlines() if line.startswith("T=")]
+    assert len(lines) == 2 and "  portable  " in lines[0] and "  avx2  " in lines[1]

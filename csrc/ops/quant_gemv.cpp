@@ -25,10 +25,16 @@
 
 #include "ops/convert_rows.h"
 #include "ops/dequantize.h"
+#include "ops/quant_gemv_internal.h"
 #include "ops/simd.h"
 
 namespace kt {
 namespace {
+
+using qgemv::AlignedFloats;
+using qgemv::DenormalsAsInputs;
+using qgemv::load_scale;
+using qgemv::scale_x_by_blocks;
 
 void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out) {
   std::vector<float> row(w.cols);
@@ -41,24 +47,6 @@ void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out
     }
   }
 }
-
-// A float buffer on a 64-byte boundary: the kernels' 32-byte loads of x never straddle a
-// cache line (std::vector's 16-byte alignment made every other load straddle one: 25% slower
-// fp8 / int4 GEMVs in half the calls, depending on where malloc put the buffer).
-class AlignedFloats {
- public:
-  explicit AlignedFloats(int64_t n)
-      : data_(static_cast<float*>(std::aligned_alloc(64, (std::max<int64_t>(n, 1) * sizeof(float) + 63) / 64 * 64))) {
-    TORCH_CHECK(data_ != nullptr, "quant_gemv_nt: out of memory");
-  }
-  ~AlignedFloats() { std::free(data_); }
-  AlignedFloats(const AlignedFloats&) = delete;
-  AlignedFloats& operator=(const AlignedFloats&) = delete;
-  float* data() { return data_; }
-
- private:
-  float* data_;
-};
 
 // ---- decoders: consecutive columns -> vectors of 8 floats in column order ---------------------
 
@@ -139,15 +127,6 @@ KT_TARGET_AVX2 inline __m256i fp8_max_magnitude(const uint8_t* p, __m256i seen) 
 
 KT_TARGET_AVX2 inline bool any_byte_is_0x7f(__m256i v) {
   return _mm256_movemask_epi8(_mm256_cmpeq_epi8(v, _mm256_set1_epi8(0x7f))) != 0;
-}
-
-template <bool Bf16>
-inline float load_scale(const void* scales, int64_t i) {
-  if constexpr (Bf16) {
-    return simd::bf16_to_float(static_cast<const uint16_t*>(scales)[i]);
-  } else {
-    return static_cast<const float*>(scales)[i];
-  }
 }
 
 // fp8 rows r0..r1 through fp16 bit patterns (decode_fp8x16), each 128-column block's partial
@@ -336,18 +315,7 @@ void gemv_int8_scales(const float* x, const WeightMatrix& w, float* out) {
   const void* scales = w.scale.const_data_ptr();
   dot_row_range<Int8Values, M>(x, w, 0, w.rows, out, nullptr,
                                [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
-  // Columns after the last whole 32-column step (rows whose length is not a multiple of 32).
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0);
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  if (K % 32 == 0) return;
-  for (int64_t r = 0; r < R; ++r) {
-    const float s = load_scale<Bf16>(scales, r);
-    for (int64_t m = 0; m < M; ++m) {
-      float acc = 0.f;
-      for (int64_t c = K / 32 * 32; c < K; ++c) acc += x[m * K + c] * (static_cast<float>(static_cast<int8_t>(base[r * ld + c])) * s);
-      out[m * R + r] += acc;
-    }
-  }
+  qgemv::int8_tail_columns(x, M, w, out);
 }
 
 template <int M>
@@ -356,10 +324,9 @@ void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
   gemv_int8_scales<M, false>(x, w, out);
 }
 
-// xs[m, c] = x[m, c] · scale[c / 128] · 2^120 for the M rows of x. Returns whether every
-// |x · scale| < 2^7 (false for a NaN or inf in x): then xs is finite, and so is every partial
-// sum of gemv_fp8_bits (|x · scale · w| < 2^7 · 448 per term).
-KT_TARGET_AVX2 bool scale_x_by_blocks(const float* x, int64_t M, int64_t K, const float* block_scales, float* xs) {
+}  // namespace
+
+KT_TARGET_AVX2 bool qgemv::scale_x_by_blocks(const float* x, int64_t M, int64_t K, const float* block_scales, float* xs) {
   const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), two_120 = _mm256_set1_ps(0x1p120f);
   const __m256 bound = _mm256_set1_ps(0x1p7f);
   __m256 too_large = _mm256_setzero_ps();
@@ -385,6 +352,8 @@ KT_TARGET_AVX2 bool scale_x_by_blocks(const float* x, int64_t M, int64_t K, cons
   return !tail_too_large && _mm256_movemask_ps(too_large) == 0;
 }
 
+namespace {
+
 // One 128-row band r0..r1: xs = x times its column blocks' scales times 2^120 when every
 // |x · scale| < 2^7 (xs finite, and so every partial sum), then gemv_fp8_bits; else the fp16
 // path.
@@ -400,25 +369,6 @@ void gemv_fp8_band(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1
     gemv_fp8_bits<M>(xs, w, r0, r1, out, nan_rows);
   }
 }
-
-// Denormals are read as zero while MXCSR.DAZ is set (torch.set_flush_denormal(True), which
-// kt_ops.finetune sets): gemv_fp8_bits' subnormal weights are float32 denormals, so the bit
-// is cleared for the call and restored after it (this thread's MXCSR only).
-class DenormalsAsInputs {
- public:
-  DenormalsAsInputs() : saved_(_mm_getcsr()) {
-    if (saved_ & kDaz) _mm_setcsr(saved_ & ~kDaz);
-  }
-  ~DenormalsAsInputs() {
-    if (saved_ & kDaz) _mm_setcsr(saved_);
-  }
-  DenormalsAsInputs(const DenormalsAsInputs&) = delete;
-  DenormalsAsInputs& operator=(const DenormalsAsInputs&) = delete;
-
- private:
-  static constexpr unsigned kDaz = 0x0040;
-  unsigned saved_;
-};
 
 template <int M, bool Bf16>
 void gemv_fp8_scales(const float* x, const WeightMatrix& w, float* out) {
@@ -552,6 +502,10 @@ void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, floa
   for (int64_t m0 = 0; m0 < M; m0 += 4) {
     const float* xm = x + m0 * w.cols;
     float* om = out + m0 * w.rows;
+    if (isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16) {
+      qgemv::gemv_avx512(xm, std::min<int64_t>(4, M - m0), w, om);
+      continue;
+    }
     switch (std::min<int64_t>(4, M - m0)) {
       case 1: gemv_avx2<1>(xm, w, om); break;
       case 2: gemv_avx2<2>(xm, w, om); break;
@@ -562,6 +516,38 @@ void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, floa
 }
 
 }  // namespace
+
+void qgemv::fp8_band_through_fp16(const float* x, int64_t M, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
+                                  uint8_t* nan_rows) {
+  const bool bf16 = qgemv::bf16_scales(w);
+  switch (M) {
+    case 1: return bf16 ? gemv_fp8_steps<1, true>(x, w, r0, r1, out, nan_rows) : gemv_fp8_steps<1, false>(x, w, r0, r1, out, nan_rows);
+    case 2: return bf16 ? gemv_fp8_steps<2, true>(x, w, r0, r1, out, nan_rows) : gemv_fp8_steps<2, false>(x, w, r0, r1, out, nan_rows);
+    case 3: return bf16 ? gemv_fp8_steps<3, true>(x, w, r0, r1, out, nan_rows) : gemv_fp8_steps<3, false>(x, w, r0, r1, out, nan_rows);
+    default: return bf16 ? gemv_fp8_steps<4, true>(x, w, r0, r1, out, nan_rows) : gemv_fp8_steps<4, false>(x, w, r0, r1, out, nan_rows);
+  }
+}
+
+void qgemv::fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const uint8_t* nan_rows, float* out) {
+  if (qgemv::bf16_scales(w)) return gemv_fp8_fixups<true>(x, M, w, nan_rows, out);
+  gemv_fp8_fixups<false>(x, M, w, nan_rows, out);
+}
+
+void qgemv::int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, float* out) {
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0);
+  if (K % 32 == 0) return;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
+  const void* scales = w.scale.const_data_ptr();
+  const bool bf16 = qgemv::bf16_scales(w);
+  for (int64_t r = 0; r < R; ++r) {
+    const float s = bf16 ? load_scale<true>(scales, r) : load_scale<false>(scales, r);
+    for (int64_t m = 0; m < M; ++m) {
+      float acc = 0.f;
+      for (int64_t c = K / 32 * 32; c < K; ++c) acc += x[m * K + c] * (static_cast<float>(static_cast<int8_t>(base[r * ld + c])) * s);
+      out[m * R + r] += acc;
+    }
+  }
+}
 
 at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa) {
   TORCH_INTERNAL_ASSERT(w.quantized() && x.dim() == 2 && x.size(1) == w.cols);
