@@ -82,6 +82,26 @@ def test_quant_gemv_times_every_format_from_memory_and_cache():
     assert all(float(r[k]) > 0 for r in rows for k in ("memory_ms", "cache_ms", "memory_gw", "cache_gw"))
 
 
+def test_suite_fp8_reference_leaves_out_the_quantization(tmp_path):
+    """--reference kt.moe-fp8-fp32: kt.moe-fp8's errors are its bf16 rounding alone (well under
+    the 4e-2 of the weights' fp8 quantization); kt-kernel-fp8 runs where kt-kernel is installed,
+    else its row says why not."""
+    out = tmp_path / "suite.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--cases", "tiny-t1", "--repeats", "1",
+                    "--warmup", "0", "--memory", "off", "--modes", "fwd,lora", "--reference", "kt.moe-fp8-fp32",
+                    "--impls", "kt.moe,kt.moe-fp8,kt-kernel-fp8", "--json", str(out)],
+                   cwd=REPO, check=True, timeout=300, capture_output=True)
+    report = json.loads(out.read_text())
+    rows = {(r["mode"], r["impl"]): r for r in report["rows"]}
+    for mode in ("fwd", "lora"):
+        r = rows[(mode, "kt.moe-fp8")]
+        assert r["status"] == "ok" and r["out_err"] < 1e-2 and (mode == "fwd" or r["grad_err"] < 1e-2), r
+        assert rows[(mode, "kt.moe")]["out_err"] > 1e-2  # bf16 weights: the quantization shows
+    kk = rows[("lora", "kt-kernel-fp8")]
+    assert kk["status"].startswith("n/a") or (kk["status"] == "ok" and kk["out_err"] < 2e-2), kk
+    assert rows[("fwd", "kt-kernel-fp8")]["status"].startswith("n/a"), rows[("fwd", "kt-kernel-fp8")]
+
+
 def test_decode_formats_times_every_format():
     out = subprocess.run([sys.executable, "-m", "benchmarks.decode_formats", "--tokens", "1", "3", "--experts", "8",
                           "--hidden", "256", "--intermediate", "128", "--top-k", "2", "--rounds", "1"],

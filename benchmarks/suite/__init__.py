@@ -47,6 +47,9 @@ Implementations (``--impls`` to pick):
                  groups of 32), fwd and lora modes only (quantized experts are frozen). Their
                  errors include the weights' quantization error; the "Quantized experts" table
                  gives ``x bf16 speed`` = kt.moe's time / theirs;
+* ``kt.moe-fp8-fp32`` kt.moe-fp8's weights with float32 activations and LoRA: as
+                 ``--reference kt.moe-fp8-fp32`` (fwd and lora modes) the errors of the fp8
+                 kernels (kt.moe-fp8, kt-kernel-fp8) leave out the quantization of the weights;
 * ``sorted-mm``  well-written eager PyTorch (``benchmarks.baselines.SortedMoE``): sort the pairs
                  by expert, ``index_select`` the hidden states once, ``split``, one fused
                  gate|up ``mm`` per expert on a fused ``[E, 2I, H]`` copy, SwiGLU, down ``mm``,
@@ -58,6 +61,9 @@ Implementations (``--impls`` to pick):
                  (``HFLoopMoE``). Skipped on cases marked so (qwen3-30b-a3b-t4096: minutes per
                  mode and a second copy of the weights); ``--loop always`` runs it anyway,
                  ``--loop never`` skips it everywhere;
+* ``kt-kernel-fp8`` kt-kernel's ``AMXFP8_SFT`` (frozen E4M3 experts with 128x128 block scales,
+                 LoRA) on the very fp8 weights kt.moe-fp8 runs on, lora mode only; it runs on
+                 kt-kernel's AMX build and, seen on an AMD Zen 4, its ``avx512_bf16`` build;
 * ``kt-kernel``  KTransformers' CPU SFT kernels, ``kt-kernel==0.7.2`` (never a dependency: used
                  when ``import kt_kernel`` works, else reported as ``not installed``). Install
                  beside the project with ``pip install --no-deps kt-kernel==0.7.2`` plus numpy,

@@ -12,12 +12,15 @@ from benchmarks.common import BASE, LORA, Impl, Unavailable, make_step, mark_upd
 from kt_ops import quantization
 from benchmarks.suite.kt_kernel import build_kt_kernel
 
-IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "sorted-mm", "grouped-mm", "hf-loop",
-         "kt-kernel")
+IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "kt.moe-fp8-fp32", "sorted-mm",
+         "grouped-mm", "hf-loop", "kt-kernel", "kt-kernel-fp8")
 REFERENCE = "sorted-mm"  # the correctness reference of every other implementation
 KT_MOE_DTYPES = {"kt.moe": torch.bfloat16, "kt.moe-fp32": torch.float32}
-# kt.moe on the problem's weights quantized (kt_ops.quantization; int4 in groups of 32).
-KT_MOE_FORMATS = {"kt.moe-fp8": ("fp8", None), "kt.moe-int8": ("int8", None), "kt.moe-int4": ("int4", 32)}
+# kt.moe on the problem's weights quantized (kt_ops.quantization; int4 in groups of 32), with
+# bf16 activations, or float32 ones for kt.moe-fp8-fp32: the reference for fp8 kernels
+# (--reference kt.moe-fp8-fp32), whose errors then exclude the weights' quantization.
+KT_MOE_FORMATS = {"kt.moe-fp8": ("fp8", None, torch.bfloat16), "kt.moe-int8": ("int8", None, torch.bfloat16),
+                  "kt.moe-int4": ("int4", 32, torch.bfloat16), "kt.moe-fp8-fp32": ("fp8", None, torch.float32)}
 
 
 def _trained(mode: str) -> tuple:
@@ -39,6 +42,8 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
         return _build_hf_loop(mode, prob, cfg)
     if name == "kt-kernel":
         return build_kt_kernel(mode, prob, cfg)
+    if name == "kt-kernel-fp8":  # the very fp8 weights kt.moe-fp8 runs on
+        return build_kt_kernel(mode, prob, cfg, fp8_weights=_quantized(prob, "fp8", None))
     raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
 
 
@@ -81,15 +86,12 @@ def _build_kt_quantized(name: str, mode: str, prob, cfg) -> Impl:
     quantization error. Frozen: no full mode."""
     if mode == "full":
         raise Unavailable("quantized experts are frozen (no base-weight gradients): fwd and lora only")
-    fmt, group = KT_MOE_FORMATS[name]
-    key = f"quantized-{fmt}"
-    if key not in prob:
-        prob[key] = {n: quantization.quantize(prob[n], fmt, group, name=n) for n in BASE}
-    weights = prob[key]
+    fmt, group, dtype = KT_MOE_FORMATS[name]
+    weights = _quantized(prob, fmt, group)
     use_lora = mode == "lora"
-    x = prob["hidden"].detach().requires_grad_(use_lora)
-    lora = [prob[n].detach().requires_grad_(True) for n in LORA] if use_lora else [None] * 6
-    ids, w = prob["topk_ids"], prob["topk_weights"]
+    x = prob["hidden"].to(dtype).detach().requires_grad_(use_lora)
+    lora = [prob[n].to(dtype).detach().requires_grad_(True) for n in LORA] if use_lora else [None] * 6
+    ids, w = prob["topk_ids"], prob["topk_weights"].to(dtype)
 
     def forward():
         return kt_ops.moe(x, ids, w, *(weights[n][0] for n in BASE), *lora, cfg.lora_scale,
@@ -104,9 +106,18 @@ def _build_kt_quantized(name: str, mode: str, prob, cfg) -> Impl:
     def grads():
         return {"hidden": x.grad, **{n: t.grad for n, t in zip(LORA, lora) if use_lora}}
 
-    impl = Impl(name, make_step(forward, use_lora, prob["dy"]), reset, grads)
+    impl = Impl(name, make_step(forward, use_lora, prob["dy"].to(dtype)), reset, grads)
     impl.close = lambda: None  # the quantized weights stay in prob for the other modes
     return impl
+
+
+def _quantized(prob, fmt: str, group) -> Dict[str, tuple]:
+    """The problem's base weights quantized to ``fmt`` ({projection: (data, scale)}), made once
+    per problem and kept in ``prob`` for every impl and mode that uses them."""
+    key = f"quantized-{fmt}"
+    if key not in prob:
+        prob[key] = {n: quantization.quantize(prob[n], fmt, group, name=n) for n in BASE}
+    return prob[key]
 
 
 def _build_sorted(name: str, mode: str, prob, cfg) -> Impl:

@@ -35,8 +35,14 @@ def _kt_kernel_wrapper_class():
     return cls
 
 
-def build_kt_kernel(mode: str, prob, cfg) -> Impl:
+def build_kt_kernel(mode: str, prob, cfg, fp8_weights=None) -> Impl:
     """KTransformers' SFT MoE through the kt-kernel 0.7.2 API (DESIGN.md §4).
+
+    With ``fp8_weights`` ({projection: (float8_e4m3fn data [E, out, in], float32 scales
+    [E, out/128, in/128])}, kt_ops.quantization's layout, which is DeepSeek-V3's) the impl is
+    ``kt-kernel-fp8``: ``method="AMXFP8_SFT"`` on those weights through
+    ``load_block_fp8_weights``, frozen-base LoRA only (kt-kernel has no FP8 forward without
+    LoRA or full mode), with ``share_backward_bb`` set (its FP8 backward requires it).
 
     ``KTMoEWrapper(..., mode="sft", method="AMXBF16_SFT")`` returns a
     ``kt_kernel.sft.amx.AMXSFTMoEWrapper``. Its conventions were checked against this project's
@@ -71,6 +77,9 @@ def build_kt_kernel(mode: str, prob, cfg) -> Impl:
                         cfg.rank)
     train = mode != "fwd"
     use_lora = mode == "lora"
+    fp8 = fp8_weights is not None
+    if fp8 and not use_lora:
+        raise Unavailable("kt-kernel's FP8 SFT trains LoRA on frozen experts only (lora mode)")
     if use_lora and abs(cfg.lora_alpha / r - cfg.lora_scale) > 1e-12 * abs(cfg.lora_scale):
         raise Unavailable(f"kt-kernel scales LoRA by lora_alpha / r = {cfg.lora_alpha / r:g}, "
                           f"not by the suite's lora_scale {cfg.lora_scale:g}")
@@ -80,11 +89,21 @@ def build_kt_kernel(mode: str, prob, cfg) -> Impl:
             layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H,
             moe_intermediate_size=I, gpu_experts_mask=None,
             cpuinfer_threads=torch.get_num_threads(), threadpool_count=1, weight_path="",
-            chunked_prefill_size=max(T, 1), method="AMXBF16_SFT", mode="sft",
+            chunked_prefill_size=max(T, 1), method="AMXFP8_SFT" if fp8 else "AMXBF16_SFT", mode="sft",
             num_gpu_experts=0, lora_rank=r if use_lora else 0, lora_alpha=cfg.lora_alpha,
             full_weight_grad=not use_lora)
-        gate, up, down = (prob[n].to(DTYPE).contiguous() for n in BASE)
-        wrapper.load_weights_from_tensors(gate, up, down, torch.arange(E, dtype=torch.int64))
+        if fp8:
+            from kt_kernel.sft.weights import BlockFP8ExpertWeights
+            wrapper.share_backward_bb = True  # read at load; FP8 construction fails without it
+            lists = {}
+            for n in BASE:
+                data, scale = fp8_weights[n]
+                lists[n] = [data[e].contiguous() for e in range(E)]
+                lists[n.replace("proj", "scale")] = [scale[e].float().contiguous() for e in range(E)]
+            wrapper.load_block_fp8_weights(BlockFP8ExpertWeights(**lists), torch.arange(E, dtype=torch.int64))
+        else:
+            gate, up, down = (prob[n].to(DTYPE).contiguous() for n in BASE)
+            wrapper.load_weights_from_tensors(gate, up, down, torch.arange(E, dtype=torch.int64))
         lora_grads = {}
         if use_lora:
             lora_grads = {n: torch.zeros_like(prob[n], dtype=DTYPE,
@@ -134,6 +153,6 @@ def build_kt_kernel(mode: str, prob, cfg) -> Impl:
         state.clear()
         wrapper_cls.clear_sft_buffer_cache()  # the shared grow-only I/O buffers
 
-    impl = Impl("kt-kernel", step, reset, grads)
+    impl = Impl("kt-kernel-fp8" if fp8 else "kt-kernel", step, reset, grads)
     impl.close = close
     return impl

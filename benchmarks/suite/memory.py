@@ -187,4 +187,6 @@ def estimate_peak_gib(case: Case, mode: str, impls: List[str]) -> float:
             total += W
         if name == "kt-kernel":
             total += 4 * W  # its packed weight copies: ~3.6 W measured (0.7.2, case mid)
+        if name == "kt-kernel-fp8":
+            total += 2 * W  # its packed fp8 copies (half of bf16's bytes; not measured)
     return total / 2 ** 30

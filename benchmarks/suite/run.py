@@ -139,7 +139,7 @@ def _unavailable_rows(case: Case, mode: str, unavailable: Dict[str, str],
     rows = []
     for name, why in unavailable.items():
         rows.append(dict(case=case.name, mode=mode, impl=name, status=why))
-        if name == "kt-kernel" and why == "n/a: not installed":
+        if name.startswith("kt-kernel") and why == "n/a: not installed":
             note = INSTALL_NOTE
         elif why.startswith("skipped"):
             note = f"{case.name}: {name} {why}"
