@@ -167,6 +167,34 @@ def test_bf16_moe_twenty_calls_in_a_row(isa, mode):
     release_packed_weights()
 
 
+def test_onednn_capped_below_bf16_takes_the_avx512_bf16_path_away():
+    """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (the emulation recipe's AVX2) leaves oneDNN
+    without native bf16 GEMMs and makes its bf16 weight reorder refuse: kt_ops then never takes
+    the avx512_bf16 path (best path avx512 or lower, forcing it raises naming the variable), so
+    bf16 calls keep working past the third (packing) call on any CPU."""
+    code = ("import sys, torch, kt_ops; sys.path.insert(0, 'tests'); from moe_samples import make_moe_inputs\n"
+            "from kt_ops.cpu_isa import best_cpu_isa, supported_cpu_isas\n"
+            "kw = make_moe_inputs(T_shape=(40,), H=64, I=48, E=4, K=2, r=2, dtype=torch.bfloat16, mode='lora')\n"
+            "for _ in range(6): kt_ops.moe(**kw).float().sum().backward()\n"
+            "try:\n"
+            "    kt_ops.set_cpu_isa('avx512_bf16'); print('accepted')\n"
+            "except RuntimeError as e:\n"
+            "    print('refused', 'ONEDNN_MAX_CPU_ISA=AVX512_CORE' in str(e))\n"
+            "print(best_cpu_isa(), 'avx512_bf16' in supported_cpu_isas(), torch.ops.kt._base_gemm_path(torch.bfloat16))")
+    env = dict(os.environ, ONEDNN_MAX_CPU_ISA="AVX512_CORE")
+    env.pop("KT_OPS_CPU_ISA", None)
+    res = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True,
+                         timeout=180)
+    assert res.returncode == 0, res.stderr
+    first, second = res.stdout.split("\n")[:2]
+    # The note names the cap where the CPU itself has AVX512-BF16 (the flag in /proc/cpuinfo).
+    with open("/proc/cpuinfo") as f:
+        cpu_has_bf16 = "avx512_bf16" in f.read().split()
+    assert first == f"refused {cpu_has_bf16}", res.stdout
+    best, bf16_listed, route = second.split()
+    assert best != "avx512_bf16" and bf16_listed == "False" and route == "bf16_to_fp32_panels", res.stdout
+
+
 def test_emulated_avx2_cpu_chooses_as_a_cpu_without_avx512():
     """The README's emulation recipe in a fresh process: kt_ops takes the AVX2 route (panels,
     no packing) whatever this CPU has, and bf16 LoRA calls keep working past the third."""

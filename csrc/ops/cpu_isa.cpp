@@ -3,10 +3,32 @@
 #include <c10/util/Exception.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
+#include <string>
 
 namespace kt {
 namespace {
+
+// The avx512_bf16 path runs oneDNN's native bf16 GEMMs and packs weights for them; oneDNN
+// honours a cap on its own instruction set (ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA),
+// and below AVX512_CORE_BF16 its bf16 GEMMs fall back to slow code and its weight reorder
+// refuses bf16 ("needs the cpu support avx_ne_convert or avx512bw, ..."): seen on a Zen 4 under
+// the AVX2 emulation recipe. Then the path is unavailable, as on a CPU without AVX512-BF16.
+const char* onednn_cap_below_bf16() {
+  static const char* const cap = [] {
+    const char* v = std::getenv("ONEDNN_MAX_CPU_ISA");
+    if (v == nullptr) v = std::getenv("DNNL_MAX_CPU_ISA");
+    if (v == nullptr) return static_cast<const char*>(nullptr);
+    std::string s(v);
+    for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}) {
+      if (s == below) return v;
+    }
+    return static_cast<const char*>(nullptr);
+  }();
+  return cap;
+}
 
 bool cpu_supports(CpuIsa isa) {
   // __builtin_cpu_supports also checks that the OS saves the AVX/AVX-512 register state.
@@ -20,9 +42,16 @@ bool cpu_supports(CpuIsa isa) {
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512dq");
     case CpuIsa::kAvx512Bf16:
-      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
+      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16") && onednn_cap_below_bf16() == nullptr;
   }
   return false;
+}
+
+// Why a path the CPU has is still unavailable ("" when the CPU lacks it).
+std::string unsupported_note(CpuIsa isa) {
+  if (isa != CpuIsa::kAvx512Bf16 || onednn_cap_below_bf16() == nullptr) return "";
+  return std::string(" (oneDNN is limited to ONEDNN_MAX_CPU_ISA=") + onednn_cap_below_bf16() +
+         ", below the AVX512_CORE_BF16 its bf16 GEMMs and weight packing need)";
 }
 
 CpuIsa initial_cpu_isa() {
@@ -60,8 +89,8 @@ CpuIsa parse_cpu_isa(const std::string& name, const char* what) {
   if (name == "auto" || name.empty()) return best_cpu_isa();
   for (CpuIsa isa : {CpuIsa::kPortable, CpuIsa::kAvx2, CpuIsa::kAvx512, CpuIsa::kAvx512Bf16}) {
     if (name == cpu_isa_name(isa)) {
-      TORCH_CHECK(cpu_supports(isa), what, ": this CPU cannot run the '", name,
-                  "' kernels; the best it supports is '", cpu_isa_name(best_cpu_isa()), "'");
+      TORCH_CHECK(cpu_supports(isa), what, ": this CPU cannot run the '", name, "' kernels",
+                  unsupported_note(isa), "; the best it supports is '", cpu_isa_name(best_cpu_isa()), "'");
       return isa;
     }
   }
@@ -70,7 +99,7 @@ CpuIsa parse_cpu_isa(const std::string& name, const char* what) {
 }
 
 void set_active_cpu_isa(CpuIsa isa) {
-  TORCH_CHECK(cpu_supports(isa), "this CPU cannot run the '", cpu_isa_name(isa), "' kernels");
+  TORCH_CHECK(cpu_supports(isa), "this CPU cannot run the '", cpu_isa_name(isa), "' kernels", unsupported_note(isa));
   active().store(static_cast<int>(isa), std::memory_order_relaxed);
 }
 
