@@ -259,46 +259,14 @@ KT_TARGET_AVX2 inline void dot_rows(const float* x, int64_t K, int64_t K32, cons
   }
 }
 
-// Weight rows per pass and FMA chains per (x row, weight row), by x rows: at least 8
-// accumulators (two FMA units of 4 cycles) within AVX2's 16 registers.
-template <int M>
-constexpr int kRowsPerPass = M == 1 ? 1 : M == 2 ? 4 : 2;
-template <int M>
-constexpr int kPassChains = M == 1 ? 4 : 1;
-
-// Rows r0..r1 of w through dot_rows, kRowsPerPass<M> at a time (the rest one by one); out[m, r]
-// = row_scale(r) · sums. NaN rows are flagged in nan_rows (all rows of the pass).
-template <class Decoder, int M, class RowScale>
-KT_TARGET_AVX2 void dot_row_range(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
-                                  uint8_t* nan_rows, const RowScale& row_scale) {
-  constexpr int RJ = kRowsPerPass<M>, C = kPassChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), K32 = K / 32 * 32;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  int64_t r = r0;
-  for (; r + RJ <= r1; r += RJ) {
-    float sums[M][RJ];
-    bool nan = false;
-    // One row at a time is one sequential stream, which the hardware prefetcher follows.
-    const int64_t prefetch_rows = RJ > 1 ? std::min<int64_t>(RJ, r1 - r - RJ) : 0;
-    dot_rows<Decoder, M, RJ, C>(x, K, K32, base + r * ld, ld, prefetch_rows, sums, &nan);
-    KT_UNROLL for (int j = 0; j < RJ; ++j) {
-      if (nan_rows != nullptr) nan_rows[r + j] = nan;
-      const float s = row_scale(r + j);
-      KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r + j] = s * sums[m][j];
-    }
+// dot_rows as the pass of qgemv::dot_row_range.
+template <class Decoder>
+struct Avx2Pass {
+  template <int M, int RJ, int C>
+  KT_TARGET_AVX2 static void run(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
+                                 int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
+    dot_rows<Decoder, M, RJ, C>(x, K, K32, row, ld, prefetch_rows, sums, nan);
   }
-  for (; r < r1; ++r) {
-    float sums[M][1];
-    bool nan = false;
-    dot_rows<Decoder, M, 1, 4>(x, K, K32, base + r * ld, ld, 0, sums, &nan);
-    if (nan_rows != nullptr) nan_rows[r] = nan;
-    const float s = row_scale(r);
-    KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = s * sums[m][0];
-  }
-}
-
-struct UnitScale {
-  float operator()(int64_t) const { return 1.f; }
 };
 
 // Rows r0..r1 (one 128-row band: one scale per 128 columns) against xs = x times each
@@ -307,14 +275,14 @@ struct UnitScale {
 // calls (see gemv_fp8_steps).
 template <int M>
 void gemv_fp8_bits(const float* xs, const WeightMatrix& w, int64_t r0, int64_t r1, float* out, uint8_t* nan_rows) {
-  dot_row_range<Fp8Bits, M>(xs, w, r0, r1, out, nan_rows, UnitScale{});
+  qgemv::dot_row_range<Avx2Pass<Fp8Bits>, M>(xs, w, r0, r1, out, nan_rows, qgemv::UnitScale{});
 }
 
 template <int M, bool Bf16>
 void gemv_int8_scales(const float* x, const WeightMatrix& w, float* out) {
   const void* scales = w.scale.const_data_ptr();
-  dot_row_range<Int8Values, M>(x, w, 0, w.rows, out, nullptr,
-                               [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
+  qgemv::dot_row_range<Avx2Pass<Int8Values>, M>(x, w, 0, w.rows, out, nullptr,
+                                                [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
   qgemv::int8_tail_columns(x, M, w, out);
 }
 

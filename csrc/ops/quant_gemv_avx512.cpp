@@ -88,44 +88,14 @@ KT_TARGET_AVX512 inline void dot_rows(const float* x, int64_t K, int64_t K32, co
   }
 }
 
-// Weight rows per pass and chains per (x row, weight row): as on AVX2 (at least 8 accumulators
-// for two FMA pipes of 4 cycles; AVX-512's 32 registers hold them with room to spare).
-template <int M>
-constexpr int kRowsPerPass = M == 1 ? 1 : M == 2 ? 4 : 2;
-template <int M>
-constexpr int kPassChains = M == 1 ? 4 : 1;
-
-template <class Decoder, int M, class RowScale>
-KT_TARGET_AVX512 void dot_row_range(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
-                                    uint8_t* nan_rows, const RowScale& row_scale) {
-  constexpr int RJ = kRowsPerPass<M>, C = kPassChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), K32 = K / 32 * 32;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  int64_t r = r0;
-  for (; r + RJ <= r1; r += RJ) {
-    float sums[M][RJ];
-    bool nan = false;
-    // One row at a time is one sequential stream, which the hardware prefetcher follows.
-    const int64_t prefetch_rows = RJ > 1 ? std::min<int64_t>(RJ, r1 - r - RJ) : 0;
-    dot_rows<Decoder, M, RJ, C>(x, K, K32, base + r * ld, ld, prefetch_rows, sums, &nan);
-    KT_UNROLL for (int j = 0; j < RJ; ++j) {
-      if (nan_rows != nullptr) nan_rows[r + j] = nan;
-      const float s = row_scale(r + j);
-      KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r + j] = s * sums[m][j];
-    }
+// dot_rows as the pass of dot_row_range (quant_gemv_internal.h).
+template <class Decoder>
+struct Avx512Pass {
+  template <int M, int RJ, int C>
+  KT_TARGET_AVX512 static void run(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
+                                   int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
+    dot_rows<Decoder, M, RJ, C>(x, K, K32, row, ld, prefetch_rows, sums, nan);
   }
-  for (; r < r1; ++r) {
-    float sums[M][1];
-    bool nan = false;
-    dot_rows<Decoder, M, 1, 4>(x, K, K32, base + r * ld, ld, 0, sums, &nan);
-    if (nan_rows != nullptr) nan_rows[r] = nan;
-    const float s = row_scale(r);
-    KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = s * sums[m][0];
-  }
-}
-
-struct UnitScale {
-  float operator()(int64_t) const { return 1.f; }
 };
 
 template <int M, bool Bf16>
@@ -141,7 +111,7 @@ void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
       const int64_t r1 = std::min(w.rows, r0 + kFp8Block);
       for (int64_t b = 0; b < blocks; ++b) block_scales[b] = load_scale<Bf16>(scales, (r0 / kFp8Block) * blocks + b);
       if (scale_x_by_blocks(x, M, K, block_scales.data(), xs.data())) {
-        dot_row_range<Fp8Bits, M>(xs.data(), w, r0, r1, out, nan_rows.data(), UnitScale{});
+        dot_row_range<Avx512Pass<Fp8Bits>, M>(xs.data(), w, r0, r1, out, nan_rows.data(), UnitScale{});
       } else {
         fp8_band_through_fp16(x, M, w, r0, r1, out, nan_rows.data());
       }
@@ -155,8 +125,8 @@ void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
 template <int M, bool Bf16>
 void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
   const void* scales = w.scale.const_data_ptr();
-  dot_row_range<Int8Values, M>(x, w, 0, w.rows, out, nullptr,
-                               [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
+  dot_row_range<Avx512Pass<Int8Values>, M>(x, w, 0, w.rows, out, nullptr,
+                                           [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
   int8_tail_columns(x, M, w, out);
 }
 

@@ -85,6 +85,53 @@ void fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const uint8_t*
 // int8: the columns after the last whole 32-column step added to every row.
 void int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, float* out);
 
+// Weight rows per pass and FMA chains per (x row, weight row), by x rows: at least 8
+// accumulators (two FMA units of 4 cycles) within AVX2's 16 registers (AVX-512's 32 hold them
+// with room to spare).
+template <int M>
+constexpr int kRowsPerPass = M == 1 ? 1 : M == 2 ? 4 : 2;
+template <int M>
+constexpr int kPassChains = M == 1 ? 4 : 1;
+
+struct UnitScale {
+  float operator()(int64_t) const { return 1.f; }
+};
+
+// Rows r0..r1 of w (fp8 / int8, one byte per value), kRowsPerPass<M> at a time (the rest one by
+// one) through Pass::run<M, RJ, C>(x, K, K32, rows, ld, prefetch_rows, sums, &nan): the dot
+// products of RJ rows with the M rows of x over the first K32 columns (whole 32-column steps),
+// the next pass's first prefetch_rows rows prefetched, *nan set for a NaN code (fp8). Then
+// out[m, r] = row_scale(r) · sums; NaN rows flagged in nan_rows (all rows of the pass) when it
+// is not null. Pass is an instruction set's kernel (quant_gemv.cpp, quant_gemv_avx512.cpp).
+template <class Pass, int M, class RowScale>
+void dot_row_range(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* out, uint8_t* nan_rows,
+                   const RowScale& row_scale) {
+  constexpr int RJ = kRowsPerPass<M>, C = kPassChains<M>;
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), K32 = K / 32 * 32;
+  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
+  int64_t r = r0;
+  for (; r + RJ <= r1; r += RJ) {
+    float sums[M][RJ];
+    bool nan = false;
+    // One row at a time is one sequential stream, which the hardware prefetcher follows.
+    const int64_t prefetch_rows = RJ > 1 ? std::min<int64_t>(RJ, r1 - r - RJ) : 0;
+    Pass::template run<M, RJ, C>(x, K, K32, base + r * ld, ld, prefetch_rows, sums, &nan);
+    for (int j = 0; j < RJ; ++j) {
+      if (nan_rows != nullptr) nan_rows[r + j] = nan;
+      const float s = row_scale(r + j);
+      for (int m = 0; m < M; ++m) out[m * R + r + j] = s * sums[m][j];
+    }
+  }
+  for (; r < r1; ++r) {
+    float sums[M][1];
+    bool nan = false;
+    Pass::template run<M, 1, 4>(x, K, K32, base + r * ld, ld, 0, sums, &nan);
+    if (nan_rows != nullptr) nan_rows[r] = nan;
+    const float s = row_scale(r);
+    for (int m = 0; m < M; ++m) out[m * R + r] = s * sums[m][0];
+  }
+}
+
 // out = x·wᵀ for M (1..4) rows of x on the AVX-512 kernels (quant_gemv_avx512.cpp).
 void gemv_avx512(const float* x, int64_t M, const WeightMatrix& w, float* out);
 
