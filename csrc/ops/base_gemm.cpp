@@ -72,8 +72,11 @@ void fill_panel(at::Tensor& panel, const WeightMatrix& w, int64_t n0, int64_t ro
 // panels made kt.moe's quantized forward 3-10% faster than 512 Ki ones (Zen 4, Qwen3 shapes).
 constexpr int64_t kBf16PanelValues = 1024 * 1024;
 
+// Activations of this dtype take bf16 panels on quantized weights (quantized_gemm_path).
+bool bf16_panels_for(at::ScalarType activations) { return activations == at::kBFloat16 && native_bf16_gemms(); }
+
 bool native_bf16_panels(const at::Tensor& activations, const WeightMatrix& w) {
-  return w.quantized() && activations.scalar_type() == at::kBFloat16 && native_bf16_gemms();
+  return w.quantized() && bf16_panels_for(activations.scalar_type());
 }
 
 uint16_t* bf16_data(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.mutable_data_ptr()); }
@@ -158,7 +161,7 @@ const char* base_gemm_path(at::ScalarType dtype) {
 
 const char* quantized_gemm_path(at::ScalarType dtype) {
   if (dtype == at::kDouble) return "fp64_panels_mkl";
-  return dtype == at::kBFloat16 && native_bf16_gemms() ? "bf16_panels_onednn" : "fp32_panels_mkl";
+  return bf16_panels_for(dtype) ? "bf16_panels_onednn" : "fp32_panels_mkl";
 }
 
 at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w) {

@@ -179,17 +179,15 @@ KT_TARGET_AVX512 void dequantize_avx512(const WeightMatrix& w, int64_t row0, int
   }
 }
 
-// ---- AVX512-BF16: bf16 output through vcvtne2ps2bf16 ----------------------------------------
+// ---- AVX512-BF16: bf16 output through vcvtneps2bf16 -----------------------------------------
 
-// 32 floats to bf16 in one instruction, where store16_bf16's integer rounding takes about 8 per
-// 16 (a third of the bf16 dequantization's time). Both round to nearest even; the instruction
-// also flushes float32 denormals (|q·s| < 2^-126) to zero, which the integer rounding keeps.
+// 16 floats to bf16 in one instruction (simd::store16_bf16_native), where store16_bf16's
+// integer rounding takes about 8 (a third of the bf16 dequantization's time). Both round to
+// nearest even; the instruction also flushes float32 denormals (|q·s| < 2^-126) to zero, which
+// the integer rounding keeps.
 KT_TARGET_AVX512_BF16 void floats_to_bf16_native(const float* src, uint16_t* dst, int64_t n) {
   int64_t c = 0;
-  for (; c + 32 <= n; c += 32) {
-    const __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(src + c + 16), _mm512_loadu_ps(src + c));
-    _mm512_storeu_si512(dst + c, (__m512i)v);
-  }
+  for (; c + 16 <= n; c += 16) simd::store16_bf16_native(dst + c, _mm512_loadu_ps(src + c));
   for (; c < n; ++c) dst[c] = simd::float_to_bf16(src[c]);
 }
 

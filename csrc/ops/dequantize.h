@@ -4,8 +4,8 @@
 // even) for the native bf16 GEMMs of the avx512_bf16 path.
 //
 // One kernel per instruction set (AVX2/F16C; AVX-512, which the avx512_bf16 path runs too, its
-// bf16 output through vcvtne2ps2bf16) beside the reference loop that the portable path runs;
-// all give bit-identical results (vcvtne2ps2bf16 flushes float32 denormals, |q·s| < 2^-126,
+// bf16 output through vcvtneps2bf16) beside the reference loop that the portable path runs;
+// all give bit-identical results (vcvtneps2bf16 flushes float32 denormals, |q·s| < 2^-126,
 // which the others keep), and tests compare them over every byte value of each format.
 #pragma once
 

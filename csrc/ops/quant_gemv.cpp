@@ -32,9 +32,7 @@ namespace kt {
 namespace {
 
 using qgemv::AlignedFloats;
-using qgemv::DenormalsAsInputs;
 using qgemv::load_scale;
-using qgemv::scale_x_by_blocks;
 
 void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out) {
   std::vector<float> row(w.cols);
@@ -71,27 +69,6 @@ KT_TARGET_AVX2 inline void decode_int4x16(const uint8_t* p, __m256& lo, __m256& 
   const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0x0f)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
-}
-
-// out: x [M, K] with each 16 columns in decode_int4x16's order (evens, then odds);
-// neg_group_sums[(m * groups + g) * 8 + lane]: minus the sum of x[m] over group g, in each of
-// 8 lanes, a vector whose lanes add up to -8 times the group's sum.
-void int4_permuted_x(const float* x, int64_t M, int64_t K, int64_t G, float* out, float* neg_group_sums) {
-  const int64_t groups = K / G;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    for (int64_t c = 0; c < K; c += 16) {
-      for (int i = 0; i < 8; ++i) {
-        out[m * K + c + i] = xm[c + 2 * i];
-        out[m * K + c + 8 + i] = xm[c + 2 * i + 1];
-      }
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t c = g * G; c < (g + 1) * G; ++c) sum += xm[c];
-      for (int lane = 0; lane < 8; ++lane) neg_group_sums[(m * groups + g) * 8 + lane] = -sum;
-    }
-  }
 }
 
 KT_TARGET_AVX2 inline __m256 decode_int8x8(const uint8_t* p) {
@@ -269,29 +246,6 @@ struct Avx2Pass {
   }
 };
 
-// Rows r0..r1 (one 128-row band: one scale per 128 columns) against xs = x times each
-// column's block scale times 2^120 (built by gemv_fp8_band): no per-block partial sums, the
-// weights need no scaling, and xs · (w / 2^120) is x·s·w. Whole 32-column steps only, no
-// calls (see gemv_fp8_steps).
-template <int M>
-void gemv_fp8_bits(const float* xs, const WeightMatrix& w, int64_t r0, int64_t r1, float* out, uint8_t* nan_rows) {
-  qgemv::dot_row_range<Avx2Pass<Fp8Bits>, M>(xs, w, r0, r1, out, nan_rows, qgemv::UnitScale{});
-}
-
-template <int M, bool Bf16>
-void gemv_int8_scales(const float* x, const WeightMatrix& w, float* out) {
-  const void* scales = w.scale.const_data_ptr();
-  qgemv::dot_row_range<Avx2Pass<Int8Values>, M>(x, w, 0, w.rows, out, nullptr,
-                                                [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
-  qgemv::int8_tail_columns(x, M, w, out);
-}
-
-template <int M>
-void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
-  if (w.scale.scalar_type() == at::kBFloat16) return gemv_int8_scales<M, true>(x, w, out);
-  gemv_int8_scales<M, false>(x, w, out);
-}
-
 }  // namespace
 
 KT_TARGET_AVX2 bool qgemv::scale_x_by_blocks(const float* x, int64_t M, int64_t K, const float* block_scales, float* xs) {
@@ -321,45 +275,6 @@ KT_TARGET_AVX2 bool qgemv::scale_x_by_blocks(const float* x, int64_t M, int64_t 
 }
 
 namespace {
-
-// One 128-row band r0..r1: xs = x times its column blocks' scales times 2^120 when every
-// |x · scale| < 2^7 (xs finite, and so every partial sum), then gemv_fp8_bits; else the fp16
-// path.
-template <int M, bool Bf16>
-void gemv_fp8_band(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1, float* block_scales, float* xs,
-                   float* out, uint8_t* nan_rows) {
-  const int64_t K = w.cols, blocks = w.scale.size(1);
-  const void* scales = w.scale.const_data_ptr();
-  for (int64_t b = 0; b < blocks; ++b) block_scales[b] = load_scale<Bf16>(scales, (r0 / kFp8Block) * blocks + b);
-  if (!scale_x_by_blocks(x, M, K, block_scales, xs)) {
-    gemv_fp8_steps<M, Bf16>(x, w, r0, r1, out, nan_rows);
-  } else {
-    gemv_fp8_bits<M>(xs, w, r0, r1, out, nan_rows);
-  }
-}
-
-template <int M, bool Bf16>
-void gemv_fp8_scales(const float* x, const WeightMatrix& w, float* out) {
-  std::vector<uint8_t> nan_rows(w.rows);
-  AlignedFloats xs(M * w.cols);
-  std::vector<float> block_scales(w.scale.size(1));
-  {
-    const DenormalsAsInputs daz_off;
-    for (int64_t r0 = 0; r0 < w.rows; r0 += kFp8Block) {
-      gemv_fp8_band<M, Bf16>(x, w, r0, std::min(w.rows, r0 + kFp8Block), block_scales.data(), xs.data(), out,
-                             nan_rows.data());
-    }
-  }
-  if (w.cols % 32 != 0 || std::any_of(nan_rows.begin(), nan_rows.end(), [](uint8_t v) { return v != 0; })) {
-    gemv_fp8_fixups<Bf16>(x, M, w, nan_rows.data(), out);
-  }
-}
-
-template <int M>
-void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
-  if (w.scale.scalar_type() == at::kBFloat16) return gemv_fp8_scales<M, true>(x, w, out);
-  gemv_fp8_scales<M, false>(x, w, out);
-}
 
 // One int4 group of G columns (its bytes at p, its scale at s): in two chains per x row, the
 // first starting from -8 · (the group's sum of x) spread over 8 lanes, so that the chains add
@@ -439,30 +354,17 @@ KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, cons
   }
 }
 
-template <int M>
-void gemv_int4(const float* x_in, const WeightMatrix& w, float* out) {
-  const int64_t K = w.cols, G = w.group, groups = K / G;
-  AlignedFloats x_permuted(M * K), neg_sums(M * groups * 8), scale_buffer(groups);
-  int4_permuted_x(x_in, M, K, G, x_permuted.data(), neg_sums.data());
-  const float* x = x_permuted.data();
-  const float* n = neg_sums.data();
-  float* sb = scale_buffer.data();
-  const bool bf16 = w.scale.scalar_type() == at::kBFloat16;
-  switch (G) {
-    case 32: return bf16 ? gemv_int4_groups<M, 32, true>(x, n, w, sb, out) : gemv_int4_groups<M, 32, false>(x, n, w, sb, out);
-    case 64: return bf16 ? gemv_int4_groups<M, 64, true>(x, n, w, sb, out) : gemv_int4_groups<M, 64, false>(x, n, w, sb, out);
-    default: return bf16 ? gemv_int4_groups<M, 128, true>(x, n, w, sb, out) : gemv_int4_groups<M, 128, false>(x, n, w, sb, out);
+// The AVX2 kernels for the drivers of quant_gemv_internal.h.
+struct Avx2Kernels {
+  using Fp8Pass = Avx2Pass<Fp8Bits>;
+  using Int8Pass = Avx2Pass<Int8Values>;
+  static constexpr int kLanes = 8;
+  template <int M, int G, bool Bf16>
+  static void int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
+                          float* out) {
+    gemv_int4_groups<M, G, Bf16>(x, neg_sums, w, scale_buffer, out);
   }
-}
-
-template <int M>
-void gemv_avx2(const float* x, const WeightMatrix& w, float* out) {
-  switch (w.format) {
-    case WeightFormat::kFp8: return gemv_fp8<M>(x, w, out);
-    case WeightFormat::kInt8: return gemv_int8<M>(x, w, out);
-    default: return gemv_int4<M>(x, w, out);
-  }
-}
+};
 
 void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, float* out) {
   if (isa == CpuIsa::kPortable) return gemv_reference(x, M, w, out);
@@ -475,15 +377,34 @@ void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, floa
       continue;
     }
     switch (std::min<int64_t>(4, M - m0)) {
-      case 1: gemv_avx2<1>(xm, w, om); break;
-      case 2: gemv_avx2<2>(xm, w, om); break;
-      case 3: gemv_avx2<3>(xm, w, om); break;
-      default: gemv_avx2<4>(xm, w, om); break;
+      case 1: qgemv::gemv_rows<Avx2Kernels, 1>(xm, w, om); break;
+      case 2: qgemv::gemv_rows<Avx2Kernels, 2>(xm, w, om); break;
+      case 3: qgemv::gemv_rows<Avx2Kernels, 3>(xm, w, om); break;
+      default: qgemv::gemv_rows<Avx2Kernels, 4>(xm, w, om); break;
     }
   }
 }
 
 }  // namespace
+
+void qgemv::int4_permuted_x(const float* x, int64_t M, int64_t K, int64_t G, int lanes, float* out,
+                            float* neg_group_sums) {
+  const int64_t groups = K / G, step = 2 * lanes;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xm = x + m * K;
+    for (int64_t c = 0; c < K; c += step) {
+      for (int i = 0; i < lanes; ++i) {
+        out[m * K + c + i] = xm[c + 2 * i];
+        out[m * K + c + lanes + i] = xm[c + 2 * i + 1];
+      }
+    }
+    for (int64_t g = 0; g < groups; ++g) {
+      float sum = 0.f;
+      for (int64_t c = g * G; c < (g + 1) * G; ++c) sum += xm[c];
+      for (int lane = 0; lane < lanes; ++lane) neg_group_sums[(m * groups + g) * lanes + lane] = lane < 8 ? -sum : 0.f;
+    }
+  }
+}
 
 void qgemv::fp8_band_through_fp16(const float* x, int64_t M, const WeightMatrix& w, int64_t r0, int64_t r1, float* out,
                                   uint8_t* nan_rows) {

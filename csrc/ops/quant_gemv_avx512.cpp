@@ -9,8 +9,6 @@
 //     through each group's sum of x.
 // fp8 bands whose scaled x would overflow, the K % 32 tail columns and rows holding a NaN code
 // go through the same code as on the AVX2 path (quant_gemv_internal.h).
-#include <vector>
-
 #include "ops/quant_gemv_internal.h"
 
 namespace kt {
@@ -98,38 +96,6 @@ struct Avx512Pass {
   }
 };
 
-template <int M, bool Bf16>
-void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
-  const int64_t K = w.cols, blocks = w.scale.size(1);
-  const void* scales = w.scale.const_data_ptr();
-  std::vector<uint8_t> nan_rows(w.rows);
-  AlignedFloats xs(M * K);
-  std::vector<float> block_scales(blocks);
-  {
-    const DenormalsAsInputs daz_off;
-    for (int64_t r0 = 0; r0 < w.rows; r0 += kFp8Block) {
-      const int64_t r1 = std::min(w.rows, r0 + kFp8Block);
-      for (int64_t b = 0; b < blocks; ++b) block_scales[b] = load_scale<Bf16>(scales, (r0 / kFp8Block) * blocks + b);
-      if (scale_x_by_blocks(x, M, K, block_scales.data(), xs.data())) {
-        dot_row_range<Avx512Pass<Fp8Bits>, M>(xs.data(), w, r0, r1, out, nan_rows.data(), UnitScale{});
-      } else {
-        fp8_band_through_fp16(x, M, w, r0, r1, out, nan_rows.data());
-      }
-    }
-  }
-  if (K % 32 != 0 || std::any_of(nan_rows.begin(), nan_rows.end(), [](uint8_t v) { return v != 0; })) {
-    fp8_fixups(x, M, w, nan_rows.data(), out);
-  }
-}
-
-template <int M, bool Bf16>
-void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
-  const void* scales = w.scale.const_data_ptr();
-  dot_row_range<Avx512Pass<Int8Values>, M>(x, w, 0, w.rows, out, nullptr,
-                                           [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
-  int8_tail_columns(x, M, w, out);
-}
-
 // ---- int4 ---------------------------------------------------------------------------------------
 
 // 32 columns from 16 bytes: lo = the even columns c, c+2, .., c+30 (low nibbles), hi = the odd
@@ -138,27 +104,6 @@ KT_TARGET_AVX512 inline void decode_int4x32(const uint8_t* p, __m512& lo, __m512
   const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(0x0f)));
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
-}
-
-// out: x [M, K] with each 32 columns in decode_int4x32's order (evens, then odds);
-// neg_group_sums[(m * groups + g) * 16 + lane]: minus the sum of x[m] over group g in lanes 0-7
-// and zero in lanes 8-15, a vector whose lanes add up to -8 times the group's sum.
-void int4_permuted_x(const float* x, int64_t M, int64_t K, int64_t G, float* out, float* neg_group_sums) {
-  const int64_t groups = K / G;
-  for (int64_t m = 0; m < M; ++m) {
-    const float* xm = x + m * K;
-    for (int64_t c = 0; c < K; c += 32) {
-      for (int i = 0; i < 16; ++i) {
-        out[m * K + c + i] = xm[c + 2 * i];
-        out[m * K + c + 16 + i] = xm[c + 2 * i + 1];
-      }
-    }
-    for (int64_t g = 0; g < groups; ++g) {
-      float sum = 0.f;
-      for (int64_t c = g * G; c < (g + 1) * G; ++c) sum += xm[c];
-      for (int lane = 0; lane < 16; ++lane) neg_group_sums[(m * groups + g) * 16 + lane] = lane < 8 ? -sum : 0.f;
-    }
-  }
 }
 
 template <int M>
@@ -233,40 +178,26 @@ KT_TARGET_AVX512 void gemv_int4_groups(const float* x, const float* neg_sums, co
   }
 }
 
-template <int M>
-void gemv_int4(const float* x_in, const WeightMatrix& w, float* out) {
-  const int64_t K = w.cols, G = w.group, groups = K / G;
-  AlignedFloats x_permuted(M * K), neg_sums(M * groups * 16), scale_buffer(groups);
-  int4_permuted_x(x_in, M, K, G, x_permuted.data(), neg_sums.data());
-  const float* x = x_permuted.data();
-  const float* n = neg_sums.data();
-  float* sb = scale_buffer.data();
-  const bool bf16 = bf16_scales(w);
-  switch (G) {
-    case 32: return bf16 ? gemv_int4_groups<M, 32, true>(x, n, w, sb, out) : gemv_int4_groups<M, 32, false>(x, n, w, sb, out);
-    case 64: return bf16 ? gemv_int4_groups<M, 64, true>(x, n, w, sb, out) : gemv_int4_groups<M, 64, false>(x, n, w, sb, out);
-    default: return bf16 ? gemv_int4_groups<M, 128, true>(x, n, w, sb, out) : gemv_int4_groups<M, 128, false>(x, n, w, sb, out);
+// The AVX-512 kernels for the drivers of quant_gemv_internal.h.
+struct Avx512Kernels {
+  using Fp8Pass = Avx512Pass<Fp8Bits>;
+  using Int8Pass = Avx512Pass<Int8Values>;
+  static constexpr int kLanes = 16;
+  template <int M, int G, bool Bf16>
+  static void int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
+                          float* out) {
+    gemv_int4_groups<M, G, Bf16>(x, neg_sums, w, scale_buffer, out);
   }
-}
-
-template <int M>
-void gemv_rows(const float* x, const WeightMatrix& w, float* out) {
-  const bool bf16 = bf16_scales(w);
-  switch (w.format) {
-    case WeightFormat::kFp8: return bf16 ? gemv_fp8<M, true>(x, w, out) : gemv_fp8<M, false>(x, w, out);
-    case WeightFormat::kInt8: return bf16 ? gemv_int8<M, true>(x, w, out) : gemv_int8<M, false>(x, w, out);
-    default: return gemv_int4<M>(x, w, out);
-  }
-}
+};
 
 }  // namespace
 
 void gemv_avx512(const float* x, int64_t M, const WeightMatrix& w, float* out) {
   switch (M) {
-    case 1: return gemv_rows<1>(x, w, out);
-    case 2: return gemv_rows<2>(x, w, out);
-    case 3: return gemv_rows<3>(x, w, out);
-    default: return gemv_rows<4>(x, w, out);
+    case 1: return gemv_rows<Avx512Kernels, 1>(x, w, out);
+    case 2: return gemv_rows<Avx512Kernels, 2>(x, w, out);
+    case 3: return gemv_rows<Avx512Kernels, 3>(x, w, out);
+    default: return gemv_rows<Avx512Kernels, 4>(x, w, out);
   }
 }
 

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <vector>
 
 #include "ops/cpu_isa.h"
 #include "ops/expert_weights.h"
@@ -129,6 +130,91 @@ void dot_row_range(const float* x, const WeightMatrix& w, int64_t r0, int64_t r1
     if (nan_rows != nullptr) nan_rows[r] = nan;
     const float s = row_scale(r);
     for (int m = 0; m < M; ++m) out[m * R + r] = s * sums[m][0];
+  }
+}
+
+// x [M, K] reordered for the int4 kernels of `lanes` floats per vector: each 2·lanes columns as
+// their evens, then their odds (the low, then the high nibbles of `lanes` bytes);
+// neg_group_sums[(m · groups + g) · lanes + lane] = minus the sum of x[m] over group g in lanes
+// 0-7 and 0 in the others, a vector whose lanes add up to -8 times the group's sum.
+void int4_permuted_x(const float* x, int64_t M, int64_t K, int64_t G, int lanes, float* out, float* neg_group_sums);
+
+// ---- one decode GEMV over every format, given an instruction set's Kernels ----------------------
+//
+// Kernels (Avx2Kernels in quant_gemv.cpp, Avx512Kernels in quant_gemv_avx512.cpp) holds
+// Fp8Pass and Int8Pass (dot_row_range passes of its fp8 bit-pattern and int8 decoders), kLanes
+// (floats per vector) and int4_groups<M, G, Bf16>(x, neg_sums, w, scale_buffer, out), its int4
+// kernel over all rows on int4_permuted_x's x.
+
+// fp8: each 128-row band on x times its blocks' scales times 2^120 (scale_x_by_blocks), or
+// through fp16 patterns where that would overflow; then the tail columns and NaN rows.
+template <class Kernels, int M, bool Bf16>
+void gemv_fp8(const float* x, const WeightMatrix& w, float* out) {
+  const int64_t K = w.cols, blocks = w.scale.size(1);
+  const void* scales = w.scale.const_data_ptr();
+  std::vector<uint8_t> nan_rows(w.rows);
+  AlignedFloats xs(M * K);
+  std::vector<float> block_scales(blocks);
+  {
+    const DenormalsAsInputs daz_off;
+    for (int64_t r0 = 0; r0 < w.rows; r0 += kFp8Block) {
+      const int64_t r1 = std::min(w.rows, r0 + kFp8Block);
+      for (int64_t b = 0; b < blocks; ++b) block_scales[b] = load_scale<Bf16>(scales, (r0 / kFp8Block) * blocks + b);
+      if (scale_x_by_blocks(x, M, K, block_scales.data(), xs.data())) {
+        dot_row_range<typename Kernels::Fp8Pass, M>(xs.data(), w, r0, r1, out, nan_rows.data(), UnitScale{});
+      } else {
+        fp8_band_through_fp16(x, M, w, r0, r1, out, nan_rows.data());
+      }
+    }
+  }
+  if (K % 32 != 0 || std::any_of(nan_rows.begin(), nan_rows.end(), [](uint8_t v) { return v != 0; })) {
+    fp8_fixups(x, M, w, nan_rows.data(), out);
+  }
+}
+
+// int8: every row's dot products times its scale, then the tail columns.
+template <class Kernels, int M, bool Bf16>
+void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
+  const void* scales = w.scale.const_data_ptr();
+  dot_row_range<typename Kernels::Int8Pass, M>(x, w, 0, w.rows, out, nullptr,
+                                               [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
+  int8_tail_columns(x, M, w, out);
+}
+
+// int4: x permuted and the group sums once per call, then the kernel for the group size (32,
+// 64 or 128) and scale dtype, both compile-time so that a group is straight-line code.
+template <class Kernels, int M>
+void gemv_int4(const float* x_in, const WeightMatrix& w, float* out) {
+  constexpr int L = Kernels::kLanes;
+  const int64_t K = w.cols, G = w.group, groups = K / G;
+  AlignedFloats x_permuted(M * K), neg_sums(M * groups * L), scale_buffer(groups);
+  int4_permuted_x(x_in, M, K, G, L, x_permuted.data(), neg_sums.data());
+  const float* x = x_permuted.data();
+  const float* n = neg_sums.data();
+  float* sb = scale_buffer.data();
+  const bool bf16 = bf16_scales(w);
+  switch (G) {
+    case 32:
+      return bf16 ? Kernels::template int4_groups<M, 32, true>(x, n, w, sb, out)
+                  : Kernels::template int4_groups<M, 32, false>(x, n, w, sb, out);
+    case 64:
+      return bf16 ? Kernels::template int4_groups<M, 64, true>(x, n, w, sb, out)
+                  : Kernels::template int4_groups<M, 64, false>(x, n, w, sb, out);
+    default:
+      return bf16 ? Kernels::template int4_groups<M, 128, true>(x, n, w, sb, out)
+                  : Kernels::template int4_groups<M, 128, false>(x, n, w, sb, out);
+  }
+}
+
+// out = x·wᵀ for M rows of x (a compile-time 1..4) on Kernels, any quantized format.
+template <class Kernels, int M>
+void gemv_rows(const float* x, const WeightMatrix& w, float* out) {
+  const bool bf16 = bf16_scales(w);
+  switch (w.format) {
+    case WeightFormat::kFp8: return bf16 ? gemv_fp8<Kernels, M, true>(x, w, out) : gemv_fp8<Kernels, M, false>(x, w, out);
+    case WeightFormat::kInt8:
+      return bf16 ? gemv_int8<Kernels, M, true>(x, w, out) : gemv_int8<Kernels, M, false>(x, w, out);
+    default: return gemv_int4<Kernels, M>(x, w, out);
   }
 }
 
