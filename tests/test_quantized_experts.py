@@ -300,6 +300,70 @@ def test_bf16_panels_over_several_panels(isa, fmt, group, cols):
         torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
 
 
+# ---- panels in oneDNN's packed layout (avx512_bf16, bf16 activations) -------------------------
+
+def packed_bits(t):
+    return t.contiguous().view(torch.int16)
+
+
+@pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
+def test_packed_layout_is_probed_per_shape(isa):
+    """oneDNN's layout of a packed [out, in] bf16 weight is found by probing (blocks of 16-64
+    output rows, input pairs); shapes the kernels do not tile have none, and neither has any
+    other path (no native bf16 GEMMs there)."""
+    with kt_ops.use_cpu_isa(isa):
+        out_block, in_block = torch.ops.kt._packed_layout(256, 2048)
+        assert out_block in (16, 32, 64) and in_block % 32 == 0 and 2048 % in_block == 0
+        assert torch.ops.kt._packed_layout(100, 2048) == []  # rows not a multiple of 16
+        assert torch.ops.kt._packed_layout(256, 1100) == []  # columns not a multiple of 32
+    with kt_ops.use_cpu_isa("avx2" if "avx2" in supported_cpu_isas() else "portable"):
+        assert torch.ops.kt._packed_layout(256, 2048) == []
+
+
+@pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("scale_dtype", [f32, bf16], ids=["fp32-scales", "bf16-scales"])
+def test_packed_dequantization_equals_the_reference_and_the_dequantized_weights(isa, fmt, group, scale_dtype):
+    """Into oneDNN's packed layout, on every byte value (fp8 NaN codes included): the AVX512-BF16
+    kernels (16x32 tiles through a transpose; row pairs interleaved for wᵀ) give the reference
+    loop's bits, and oneDNN reads them back (to_dense) as the bf16-rounded dequantized weights:
+    rows [64, 192) of a [256, 384] weight, and its columns [128, 384) as wᵀ's rows, which
+    cross fp8 blocks and int4 groups."""
+    data, scale = raw_weight(fmt, group, 256, 384, scale_dtype, seed=21)
+    want = python_dequantize(data, scale).to(bf16)
+    with kt_ops.use_cpu_isa(isa):
+        for transposed, start, count, expect in ((False, 64, 128, want[64:192]), (True, 128, 256, want[:, 128:].t())):
+            got = torch.ops.kt._dequantize_packed(data, scale, transposed, start, count, isa)
+            ref = torch.ops.kt._dequantize_packed(data, scale, transposed, start, count, "portable")
+            assert torch.equal(packed_bits(got), packed_bits(ref)), f"transposed={transposed}"
+            torch.testing.assert_close(got, expect, rtol=0, atol=0, equal_nan=True)
+    if fmt == "fp8":
+        assert got.isnan().any()
+
+
+@pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
+@pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 32), ("int4", 128)],
+                         ids=["fp8", "int8", "int4-g32", "int4-g128"])
+def test_packed_panels_over_several_panels(isa, fmt, group):
+    """x·wᵀ, d·w and d·w + addend on a [704, 1024] weight, where the packed panels are taken:
+    x·wᵀ in row panels of 384 and 320 (512 Ki values at most), d·w in two column panels of 512
+    (wᵀ's rows), the addend added inside oneDNN's GEMM before its one rounding; each against
+    float64 on the bf16-rounded dequantized weights."""
+    w = randn(1, 704, 1024, seed=22) * 0.05
+    data, scale = quantization.quantize(w, fmt, group)
+    deq = quantization.dequantize(data, scale)[0].to(bf16).double()
+    x, d, add = randn(37, 1024, seed=23, dtype=bf16), randn(37, 704, seed=24, dtype=bf16), randn(37, 1024, seed=25, dtype=bf16)
+    with kt_ops.use_cpu_isa(isa):
+        assert torch.ops.kt._packed_layout(384, 1024) and torch.ops.kt._packed_layout(320, 1024)
+        assert torch.ops.kt._packed_layout(512, 704)
+        nt = torch.ops.kt._quant_mm_nt(x, data[0], scale[0])
+        nn_ = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], add)
+        nn_plain = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], None)
+    for got, want in ((nt, x.double() @ deq.t()), (nn_, d.double() @ deq + add.double()), (nn_plain, d.double() @ deq)):
+        assert got.dtype == bf16
+        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+
+
 # ---- kt.moe -----------------------------------------------------------------------------------
 
 def check_against_reference(kwargs, dtype):

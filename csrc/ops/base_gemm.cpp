@@ -4,6 +4,9 @@
 
 #include "ops/convert_rows.h"
 #include "ops/dequantize.h"
+#include "ops/dequantize_packed.h"
+#include "ops/packed_layout.h"
+#include "ops/packed_weights.h"
 #include "ops/quant_gemv.h"
 #include "ops/thin_gemm.h"
 
@@ -70,6 +73,12 @@ void fill_panel(at::Tensor& panel, const WeightMatrix& w, int64_t n0, int64_t ro
 // rounding). Panels of 1 Mi values (2 MiB), of equal size: oneDNN on 64-row panels (128 Ki
 // values) ran 1.3-2x slower than on the whole matrix, on 256-row ones 5-15% slower, and 1 Mi
 // panels made kt.moe's quantized forward 3-10% faster than 512 Ki ones (Zen 4, Qwen3 shapes).
+//
+// Where oneDNN's packed layout of the panel shapes is known (packed_layout.h: probed; every
+// multiple-of-64 expert shape on AVX512-BF16 CPUs), the panels are dequantized straight into it
+// (dequantize_packed.h) and multiplied with mkldnn's linear on the packed weight, which skips
+// the re-pack at::mm does on every plain panel: kt.moe's LoRA step at T=1024 ran 7-8% faster
+// (fp8, int8; Qwen3-30B-A3B, Zen 4, 2 threads). Plain panels remain for other shapes.
 constexpr int64_t kBf16PanelValues = 1024 * 1024;
 
 // Activations of this dtype take bf16 panels on quantized weights (quantized_gemm_path).
@@ -89,9 +98,59 @@ int64_t even_panels(int64_t total, int64_t most, int64_t unit) {
   return std::min(total, ((total + panels - 1) / panels + unit - 1) / unit * unit);
 }
 
+// Panels dequantized into oneDNN's packed layout (packed_layout.h) hold 512 Ki values (1 MiB,
+// L2-sized); 256 Ki and 1 Mi ran within noise of it (Qwen3 T=1024, Zen 4).
+constexpr int64_t kPackedPanelValues = 512 * 1024;
+
+// True when oneDNN's packed layout is known for the panels of [total, len] cut `width` at a
+// time (the last one may be narrower).
+bool packed_panels(int64_t total, int64_t width, int64_t len) {
+  return packed_bf16_layout(width, len) != nullptr &&
+         (total % width == 0 || packed_bf16_layout(total % width, len) != nullptr);
+}
+
+// x·wᵀ over packed panels of w's rows.
+at::Tensor packed_mm_nt(const at::Tensor& x_in, const WeightMatrix& w, int64_t nc) {
+  const at::Tensor x = x_in.contiguous();
+  const int64_t N = w.rows, K = w.cols;
+  at::Tensor out;
+  for (int64_t n0 = 0; n0 < N; n0 += nc) {
+    const int64_t rows = std::min(nc, N - n0);
+    const at::Tensor& p = thread_packed_weight(rows, K);
+    dequantize_packed_rows(w, n0, *packed_bf16_layout(rows, K), packed_bf16_data(p), active_cpu_isa());
+    at::Tensor r = packed_linear(x, p);
+    if (rows == N) return r;
+    if (!out.defined()) out = at::empty({x.size(0), N}, x.options());
+    out.narrow(1, n0, rows).copy_(r);
+  }
+  return out;
+}
+
+// addend + d·w over packed panels of w's columns (wᵀ's rows).
+at::Tensor packed_mm_nn(const at::Tensor& d_in, const WeightMatrix& w, const std::optional<at::Tensor>& addend,
+                        int64_t kc) {
+  const at::Tensor d = d_in.contiguous();
+  const int64_t N = w.rows, K = w.cols;
+  at::Tensor out;
+  for (int64_t k0 = 0; k0 < K; k0 += kc) {
+    const int64_t cols = std::min(kc, K - k0);
+    const at::Tensor& p = thread_packed_weight(cols, N);
+    dequantize_packed_cols(w, k0, *packed_bf16_layout(cols, N), packed_bf16_data(p), active_cpu_isa());
+    at::Tensor r = addend.has_value()
+                       ? packed_linear_add(d, p, addend->narrow(1, k0, cols).to(d.scalar_type()).contiguous())
+                       : packed_linear(d, p);
+    if (cols == K) return r;
+    if (!out.defined()) out = at::empty({d.size(0), K}, d.options());
+    out.narrow(1, k0, cols).copy_(r);
+  }
+  return out;
+}
+
 // x·wᵀ over panels of w's rows (whole rows: each output column in one GEMM).
 at::Tensor native_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
   const int64_t M = x.size(0), N = w.rows, K = w.cols;
+  const int64_t packed_rows = even_panels(N, kPackedPanelValues / std::max<int64_t>(K, 1), 64);
+  if (packed_panels(N, packed_rows, K)) return packed_mm_nt(x, w, packed_rows);
   at::Tensor out = at::empty({M, N}, x.options());
   const int64_t nc = even_panels(N, kBf16PanelValues / std::max<int64_t>(K, 1), 16);
   at::Tensor panel = at::empty({nc, K}, x.options());
@@ -108,6 +167,8 @@ at::Tensor native_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
 // in one GEMM), widths a multiple of 128 (whole fp8 blocks and int4 groups).
 at::Tensor native_mm_nn(const at::Tensor& d, const WeightMatrix& w, const std::optional<at::Tensor>& addend) {
   const int64_t M = d.size(0), N = w.rows, K = w.cols;
+  const int64_t packed_cols = even_panels(K, kPackedPanelValues / N, kFp8Block);
+  if (K % 32 == 0 && packed_panels(K, packed_cols, N)) return packed_mm_nn(d, w, addend, packed_cols);
   at::Tensor out = at::empty({M, K}, d.options());
   const int64_t kc = even_panels(K, kBf16PanelValues / N, kFp8Block);
   at::Tensor buffer = at::empty({N * kc}, d.options());

@@ -51,7 +51,8 @@ void base_mm_tn_out(at::Tensor& out, const at::Tensor& a, const at::Tensor& b);
 // float GEMM accumulating in float32 and rounding once, as for bf16 on the panel path; with
 // bf16 activations on the avx512_bf16 path into bf16 panels for oneDNN's bf16 GEMMs instead
 // (each weight q·s rounded to bf16, as a bf16 expert holds it; float32 accumulation, one
-// rounding of each output).
+// rounding of each output), laid out as oneDNN's packed weights where that layout is known
+// (packed_layout.h).
 at::Tensor base_mm_nt(const at::Tensor& x, const WeightMatrix& w);
 at::Tensor base_mm_nn(const at::Tensor& d, const WeightMatrix& w);
 void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w);

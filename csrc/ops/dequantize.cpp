@@ -11,38 +11,16 @@
 #include <vector>
 #include <immintrin.h>
 
+#include "ops/dequantize_internal.h"
 #include "ops/simd.h"
 
 namespace kt {
 namespace {
 
-// The scale of (row, column segment starting at col) and the segment's end column.
-struct Segment {
-  float scale;
-  int64_t end;
-};
-
-inline float scale_at(const WeightMatrix& w, int64_t i) {
-  const void* p = w.scale.const_data_ptr();
-  return w.scale.scalar_type() == at::kFloat ? static_cast<const float*>(p)[i]
-                                             : simd::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
-}
-
-inline Segment segment(const WeightMatrix& w, int64_t row, int64_t col) {
-  switch (w.format) {
-    case WeightFormat::kFp8: {
-      const int64_t blocks_per_row = w.scale.size(1);
-      return {scale_at(w, (row / kFp8Block) * blocks_per_row + col / kFp8Block),
-              std::min(w.cols, (col / kFp8Block + 1) * kFp8Block)};
-    }
-    case WeightFormat::kInt8: return {scale_at(w, row), w.cols};
-    default: return {scale_at(w, row * w.scale.size(1) + col / w.group), (col / w.group + 1) * w.group};
-  }
-}
-
-inline const uint8_t* row_bytes(const WeightMatrix& w, int64_t row) {
-  return static_cast<const uint8_t*>(w.data.const_data_ptr()) + row * w.data.stride(0);
-}
+using dequant::row_bytes;
+using dequant::scale_at;
+using dequant::segment;
+using dequant::Segment;
 
 // The raw (unscaled) value of column c of a row.
 inline float raw_value(const WeightMatrix& w, const uint8_t* row, int64_t c) {
@@ -126,14 +104,7 @@ KT_TARGET_AVX2 void dequantize_avx2(const WeightMatrix& w, int64_t row0, int64_t
 
 // ---- AVX-512: 16 values per step (32 for int4) --------------------------------------------------
 
-// fp8x8_as_fp16 on 16 bytes.
-KT_TARGET_AVX512 inline __m256i fp8x16_as_fp16(const uint8_t* p) {
-  const __m256i b = _mm256_cvtepu8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  const __m256i mag = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
-  const __m256i h = _mm256_or_si256(_mm256_slli_epi16(mag, 7),
-                                    _mm256_and_si256(_mm256_slli_epi16(b, 8), _mm256_set1_epi16(int16_t(0x8000))));
-  return _mm256_or_si256(h, _mm256_and_si256(_mm256_cmpeq_epi16(mag, _mm256_set1_epi16(0x7f)), _mm256_set1_epi16(0x7e00)));
-}
+using dequant::fp8x16_as_fp16;
 
 KT_TARGET_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 // bf16 output on the avx512 path (the avx512_bf16 path converts natively, below).

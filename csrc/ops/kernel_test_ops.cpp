@@ -6,9 +6,11 @@
 #include "ops/convert_rows.h"
 #include "ops/cpu_isa.h"
 #include "ops/dequantize.h"
+#include "ops/dequantize_packed.h"
 #include "ops/expert_weights.h"
 #include "ops/quant_gemv.h"
 #include "ops/large_alloc.h"
+#include "ops/packed_layout.h"
 #include "ops/packed_weights.h"
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
@@ -72,6 +74,37 @@ at::Tensor dequantize_op(const at::Tensor& weight, const at::Tensor& scale, cons
     dequantize_block(w, 0, w.rows, col0, cols, reinterpret_cast<uint16_t*>(out.mutable_data_ptr()), cols, path);
   }
   return out;
+}
+
+// Rows [start, start + count) of the weight (transposed: its columns, as wᵀ's rows) in oneDNN's
+// packed layout, filled on a path: dense (to_dense, the values as oneDNN reads them) or, for
+// timing, this thread's packed buffer itself (overwritten by the next call).
+at::Tensor dequantize_packed_op(const at::Tensor& weight, const at::Tensor& scale, bool transposed, int64_t start,
+                                int64_t count, const std::string& isa, bool dense) {
+  const WeightMatrix w = quantized_matrix(weight, scale);
+  const CpuIsa path = parse_cpu_isa(isa, "isa");
+  const int64_t out = count, in = transposed ? w.rows : w.cols;
+  TORCH_CHECK_VALUE(start >= 0 && count > 0 && start + count <= (transposed ? w.cols : w.rows),
+                    "_dequantize_packed: rows [start, start + count) out of range");
+  TORCH_CHECK_VALUE(start % (transposed ? kFp8Block : 16) == 0 && (!transposed || count % 32 == 0),
+                    "_dequantize_packed: start must be a multiple of ", transposed ? kFp8Block : 16,
+                    transposed ? " and count of 32" : "");
+  const PackedBf16Layout* layout = packed_bf16_layout(out, in);
+  TORCH_CHECK_VALUE(layout != nullptr, "_dequantize_packed: no packed layout known for [", out, ", ", in,
+                    "] on this path");
+  const at::Tensor& packed = thread_packed_weight(out, in);
+  if (transposed) {
+    dequantize_packed_cols(w, start, *layout, packed_bf16_data(packed), path);
+  } else {
+    dequantize_packed_rows(w, start, *layout, packed_bf16_data(packed), path);
+  }
+  return dense ? packed.to_dense() : packed;
+}
+
+std::vector<int64_t> packed_layout_op(int64_t out, int64_t in) {
+  const PackedBf16Layout* l = packed_bf16_layout(out, in);
+  if (l == nullptr) return {};
+  return {l->out_block, l->in_block};
 }
 
 std::string quant_gemm_path_op(at::ScalarType dtype) { return quantized_gemm_path(dtype); }
@@ -139,6 +172,7 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_set_weight_packing", &set_weight_packing);
   m.impl("_weight_packing_enabled", &weight_packing_enabled);
   m.impl("_packed_weights_info", &packed_weights_info);
+  m.impl("_packed_layout", &packed_layout_op);
   m.impl("_release_packed_weights", &release_packed_weights);
   m.impl("_cached_buffers_info", &cached_buffers_info);
   m.impl("_release_cached_buffers", &release_cached_buffers);
@@ -152,6 +186,7 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_panel_mm_nt", &panel_mm_nt_op);
   m.impl("_panel_mm_nn", &panel_mm_nn_op);
   m.impl("_dequantize", &dequantize_op);
+  m.impl("_dequantize_packed", &dequantize_packed_op);
   m.impl("_quant_gemv_nt", &quant_gemv_op);
   m.impl("_quant_mm_nt", &quant_mm_nt_op);
   m.impl("_quant_mm_nn", &quant_mm_nn_op);

@@ -76,11 +76,21 @@ const c10::OperatorHandle& linear_op() {
   return op;
 }
 
+const c10::OperatorHandle& linear_add_op() {
+  static const c10::OperatorHandle op =
+      c10::Dispatcher::singleton().findSchemaOrThrow("mkldnn::_linear_pointwise", "binary");
+  return op;
+}
+
+}  // namespace
+
 at::Tensor pack_linear_weight(const at::Tensor& w) {
   torch::jit::Stack stack{w, c10::IValue(int64_t(64))};  // batch-size hint: typical rows per block
   reorder_op().callBoxed(&stack);
   return stack[0].toTensor();
 }
+
+namespace {
 
 // Two packed copies (forward and backward layouts) of all three weights.
 int64_t packed_bytes(const at::Tensor& gate, const at::Tensor& up, const at::Tensor& down) {
@@ -171,6 +181,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_w) {
   torch::jit::Stack stack{x, packed_w, c10::IValue(), std::string("none"), c10::List<std::optional<at::Scalar>>(),
                           c10::IValue()};
   linear_op().callBoxed(&stack);
+  return stack[0].toTensor();
+}
+
+at::Tensor packed_linear_add(const at::Tensor& x, const at::Tensor& packed_w, const at::Tensor& addend) {
+  torch::jit::Stack stack{x, addend, packed_w, c10::IValue(), std::string("add")};
+  linear_add_op().callBoxed(&stack);
   return stack[0].toTensor();
 }
 

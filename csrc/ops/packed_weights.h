@@ -48,8 +48,13 @@ std::shared_ptr<const PackedExperts> packed_experts(const at::Tensor& gate, cons
                                                     const at::Tensor& up_contiguous,
                                                     const at::Tensor& down_contiguous, bool forward_call);
 
+// W [out, in] (bf16, contiguous) packed by oneDNN for packed_linear.
+at::Tensor pack_linear_weight(const at::Tensor& w);
+
 // out = x·Wᵀ with W packed (x [n, in], rows contiguous).
 at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& packed_w);
+// addend + x·Wᵀ, rounded once (oneDNN adds in float32 before rounding); addend [n, out] contiguous.
+at::Tensor packed_linear_add(const at::Tensor& x, const at::Tensor& packed_w, const at::Tensor& addend);
 
 void set_weight_packing(bool enabled);  // false also drops every packed copy
 // Drops every packed copy now (they are re-packed after kPackAfterCalls forward calls). The

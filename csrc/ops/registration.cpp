@@ -112,6 +112,11 @@ TORCH_LIBRARY(kt, m) {
   // on a path (columns [col0, col0 + cols), all of them for cols = -1), its decode GEMV on a
   // path, its panel GEMMs x·wᵀ, d·w [+ addend] (active path), and the route those take.
   m.def("_dequantize(Tensor weight, Tensor scale, str isa, ScalarType dtype=float, int col0=0, int cols=-1) -> Tensor");
+  // The same into oneDNN's packed bf16 layout (rows [start, start + count), or wᵀ's rows for
+  // transposed), and that layout's (out_block, in_block) for a [out_features, in_features] weight ([] if none).
+  m.def("_dequantize_packed(Tensor weight, Tensor scale, bool transposed, int start, int count, str isa, "
+        "bool dense=True) -> Tensor");
+  m.def("_packed_layout(int out_features, int in_features) -> int[]");
   m.def("_quant_gemm_path(ScalarType dtype) -> str");
   m.def("_quant_gemv_nt(Tensor x, Tensor weight, Tensor scale, str isa) -> Tensor");
   m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");

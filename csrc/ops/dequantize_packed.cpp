@@ -1,0 +1,181 @@
+#include "ops/dequantize_packed.h"
+
+#include <immintrin.h>
+
+#include <vector>
+
+#include "ops/dequantize.h"
+#include "ops/dequantize_internal.h"
+
+namespace kt {
+namespace {
+
+using dequant::decode32_bf16;
+using dequant::QuantView;
+
+// ---- reference: dequantize_block's reference loop, one row at a time, scattered -------------
+
+void rows_reference(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
+  std::vector<uint16_t> row(l.in);
+  for (int64_t o = 0; o < l.out; ++o) {
+    dequantize_block(w, n0 + o, 1, 0, l.in, row.data(), l.in, CpuIsa::kPortable);
+    for (int64_t i = 0; i < l.in; ++i) dst[l.offset(o, i)] = row[i];
+  }
+}
+
+void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, uint16_t* dst) {
+  std::vector<uint16_t> row(l.out);
+  for (int64_t n = 0; n < l.in; ++n) {
+    dequantize_block(w, n, 1, k0, l.out, row.data(), l.out, CpuIsa::kPortable);
+    for (int64_t o = 0; o < l.out; ++o) dst[l.offset(o, n)] = row[o];
+  }
+}
+
+// ---- AVX512-BF16 ------------------------------------------------------------------------------
+
+// Prefetch distances: columns ahead in a row (rows kernel), rows ahead (cols kernel).
+constexpr int64_t kPrefetchColumns = 256;
+constexpr int64_t kPrefetchRows = 4;
+
+// Bytes of c columns of a row.
+template <WeightFormat F>
+constexpr int64_t column_bytes(int64_t c) {
+  return F == WeightFormat::kInt4 ? c / 2 : c;
+}
+
+// r[i] element j -> r[j] element i, for 16 vectors of 16 dwords.
+KT_TARGET_AVX512 inline void transpose16x16_epi32(__m512i r[16]) {
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  }
+  // s[4q + m], 128-bit lane l: element 4l + m of rows 4q .. 4q+3
+  __m512i s[16];
+  for (int q = 0; q < 16; q += 4) {
+    s[q] = _mm512_unpacklo_epi64(t[q], t[q + 2]);
+    s[q + 1] = _mm512_unpackhi_epi64(t[q], t[q + 2]);
+    s[q + 2] = _mm512_unpacklo_epi64(t[q + 1], t[q + 3]);
+    s[q + 3] = _mm512_unpackhi_epi64(t[q + 1], t[q + 3]);
+  }
+  // element 4l + m of all rows: lane l of s[m], s[4 + m], s[8 + m], s[12 + m]
+  for (int m = 0; m < 4; ++m) {
+    const __m512i v0 = _mm512_shuffle_i32x4(s[m], s[4 + m], 0x44), v1 = _mm512_shuffle_i32x4(s[m], s[4 + m], 0xee);
+    const __m512i v2 = _mm512_shuffle_i32x4(s[8 + m], s[12 + m], 0x44),
+                  v3 = _mm512_shuffle_i32x4(s[8 + m], s[12 + m], 0xee);
+    r[m] = _mm512_shuffle_i32x4(v0, v2, 0x88);
+    r[4 + m] = _mm512_shuffle_i32x4(v0, v2, 0xdd);
+    r[8 + m] = _mm512_shuffle_i32x4(v1, v3, 0x88);
+    r[12 + m] = _mm512_shuffle_i32x4(v1, v3, 0xdd);
+  }
+}
+
+// Tiles of 16 rows by 32 columns: each row's 32 columns are 16 column pairs (dwords); the
+// transpose puts pair j of the 16 rows side by side, 64 contiguous bytes of the layout.
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 void rows_avx512_bf16(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l,
+                                            uint16_t* dst) {
+  const QuantView q(w);
+  __m512i t[16];
+  for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
+    for (int64_t i0 = 0; i0 < l.in; i0 += 32) {  // 32 columns lie in one fp8 block / int4 group
+      // The weights mostly come from memory: fetch each row kPrefetchColumns ahead (the next
+      // 16 rows' first columns near the end of these), which the hardware's prefetchers do not
+      // for 16 interleaved streams.
+      const int64_t ahead = i0 + kPrefetchColumns;
+      const int64_t ahead_row = ahead < l.in ? n0 + o0 : n0 + o0 + 16;
+      const int64_t ahead_col = ahead < l.in ? ahead : ahead - l.in;
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = n0 + o0 + r;
+        const uint8_t* src = q.row(row);
+        if (column_bytes<F>(i0) % 64 == 0 && ahead_row + r < w.rows) {  // once per cache line
+          _mm_prefetch(reinterpret_cast<const char*>(q.row(ahead_row + r) + column_bytes<F>(ahead_col)), _MM_HINT_T0);
+        }
+        t[r] = decode32_bf16<F>(src, i0, q.scale<F>(row, i0));
+      }
+      transpose16x16_epi32(t);
+      uint16_t* tile = dst + l.offset(o0, i0);  // pair j of the tile: out_block pairs further on
+      for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + j * l.out_block * 2, t[j]);
+    }
+  }
+}
+
+// Rows n and n + 1, 32 columns at a time: interleaved, the pairs (n, n + 1) of 2 x 16 output
+// rows.
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l,
+                                            uint16_t* dst) {
+  alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
+                                                      37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
+                                                      11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+  const __m512i first = _mm512_load_si512(kFirst);
+  const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
+  const QuantView q(w);
+  const int64_t k1 = k0 + l.out;
+  // Columns per scale: an fp8 block, an int4 group (at least 32), int8's whole row.
+  const int64_t run = F == WeightFormat::kFp8 ? kFp8Block : F == WeightFormat::kInt8 ? l.out : w.group;
+  const int64_t segment_bytes = column_bytes<F>(l.out);
+  for (int64_t n = 0; n < l.in; n += 2) {
+    const uint8_t* a = q.row(n);
+    const uint8_t* b = q.row(n + 1);
+    if (n + kPrefetchRows + 1 < l.in) {  // the segments of the rows a few pairs on (see rows_avx512_bf16)
+      const uint8_t* next = q.row(n + kPrefetchRows) + column_bytes<F>(k0);
+      for (int64_t off = 0; off < segment_bytes; off += 64) {
+        _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(next + q.row_stride + off), _MM_HINT_T0);
+      }
+    }
+    for (int64_t c0 = k0; c0 < k1; c0 += run) {
+      const float sa = q.scale<F>(n, c0), sb = q.scale<F>(n + 1, c0);
+      for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {
+        const __m512i va = decode32_bf16<F>(a, c, sa), vb = decode32_bf16<F>(b, c, sb);
+        _mm512_storeu_si512(dst + l.offset(c - k0, n), _mm512_permutex2var_epi16(va, first, vb));
+        _mm512_storeu_si512(dst + l.offset(c - k0 + 16, n), _mm512_permutex2var_epi16(va, second, vb));
+      }
+    }
+  }
+}
+
+template <template <WeightFormat> class Kernel, typename... Args>
+void on_format(WeightFormat f, Args&&... args) {
+  switch (f) {
+    case WeightFormat::kFp8: return Kernel<WeightFormat::kFp8>::run(args...);
+    case WeightFormat::kInt8: return Kernel<WeightFormat::kInt8>::run(args...);
+    default: return Kernel<WeightFormat::kInt4>::run(args...);
+  }
+}
+
+template <WeightFormat F>
+struct Rows {
+  static void run(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
+    rows_avx512_bf16<F>(w, n0, l, dst);
+  }
+};
+
+template <WeightFormat F>
+struct Cols {
+  static void run(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, uint16_t* dst) {
+    cols_avx512_bf16<F>(w, k0, l, dst);
+  }
+};
+
+}  // namespace
+
+void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& layout, uint16_t* dst,
+                            CpuIsa isa) {
+  TORCH_INTERNAL_ASSERT(w.quantized() && layout.in == w.cols && n0 >= 0 && n0 + layout.out <= w.rows &&
+                        n0 % 16 == 0 && layout.out_block % 16 == 0 && layout.in_block % 32 == 0);
+  if (isa != CpuIsa::kAvx512Bf16) return rows_reference(w, n0, layout, dst);
+  on_format<Rows>(w.format, w, n0, layout, dst);
+}
+
+void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& layout, uint16_t* dst,
+                            CpuIsa isa) {
+  TORCH_INTERNAL_ASSERT(w.quantized() && layout.in == w.rows && k0 >= 0 && k0 + layout.out <= w.cols &&
+                        k0 % kFp8Block == 0 && layout.out % 32 == 0 && layout.out_block % 16 == 0 &&
+                        layout.in_block % 2 == 0);
+  if (isa != CpuIsa::kAvx512Bf16) return cols_reference(w, k0, layout, dst);
+  on_format<Cols>(w.format, w, k0, layout, dst);
+}
+
+}  // namespace kt
