@@ -210,6 +210,21 @@ def test_decode_gemv_on_every_byte_across_fp8_bands(isa, fmt, group, rows):
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
+def test_decode_gemv_int4_on_bf16_activations_every_byte(isa, group, rows):
+    """bf16 x on int4 weights (on avx512_bf16: nibbles looked up as bf16 and vdpbf16ps on x as
+    it is): every byte value over 96 rows, against float64 on the dequantized weights; the only
+    error is the output's one bf16 rounding (float32 sums)."""
+    data, scale = raw_weight("int4", group, 96, 512, bf16, seed=13)
+    x = randn(rows, 512, seed=14, dtype=bf16)
+    got = torch.ops.kt._quant_gemv_nt(x, data, scale, isa)
+    want = x.double() @ python_dequantize(data, scale).double().t()
+    assert got.dtype == bf16
+    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6 * want.abs().max().item())
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("flush_denormal", [False, True], ids=["daz-off", "daz-on"])
 def test_decode_gemv_keeps_fp8_subnormals_when_denormals_are_flushed(isa, flush_denormal):
     """fp8 subnormal weights (the only values of this weight) count as themselves whether or

@@ -2,7 +2,8 @@
 // one pass over w's quantized bytes (half of bf16's for fp8 / int8, a quarter for int4),
 // decoded in registers and used for every row of x (the reference loop dequantizes a row
 // into a float32 buffer instead).
-// x: float32 or bfloat16 [M, K] (converted to float32 once); out [M, R] in x's dtype,
+// x: float32 or bfloat16 [M, K] (converted to float32 once; bf16 x on int4 weights on the
+// avx512_bf16 path stays bf16 for vdpbf16ps, quant_gemv_internal.h); out [M, R] in x's dtype,
 // accumulated in float32. The portable path runs the reference loops, every other path the
 // AVX2 kernels. Single-threaded: callers run it inside their own parallel blocks.
 #pragma once
