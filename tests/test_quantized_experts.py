@@ -297,19 +297,26 @@ def test_quantized_gemm_route_of_each_path(isa):
 @pytest.mark.parametrize("fmt,group,cols", [("fp8", None, 1100), ("int8", None, 1100), ("int4", 32, 1024)],
                          ids=["fp8", "int8", "int4-g32"])
 def test_bf16_panels_over_several_panels(isa, fmt, group, cols):
-    """The bf16 panels of avx512_bf16 (1 Mi values each) on a [1500, cols] weight: x·wᵀ in two
-    row panels of 752 rows (the second partial), d·w + addend in two column panels of 640 or 512
-    (fp8/int8's second ending mid-block at column 1100), each against float64 on the
-    bf16-rounded dequantized weights (the weights a bf16 expert holds)."""
-    w = randn(1, 1500, cols, seed=16) * 0.05
+    """The plain-layout bf16 panels of avx512_bf16 (1 Mi values each), which shapes without a
+    packed layout take (1500 rows: no multiple of 16), on a [1500, cols] weight: x·wᵀ in two row
+    panels of 752 rows (the second partial), d·w + addend in two column panels of 640 or 512
+    (fp8/int8's second ending mid-block at column 1100)."""
+    check_bf16_panel_gemms(1500, cols, fmt, group, isa, seed=16)
+
+
+def check_bf16_panel_gemms(rows, cols, fmt, group, isa, seed):
+    """x·wᵀ, d·w + addend and d·w on a [rows, cols] weight with bf16 activations, each against
+    float64 on the bf16-rounded dequantized weights (the weights a bf16 expert holds): one bf16
+    rounding of each output, within 2^-8 of the exact value elementwise."""
+    w = randn(1, rows, cols, seed=seed) * 0.05
     data, scale = quantization.quantize(w, fmt, group)
     deq = quantization.dequantize(data, scale)[0].to(bf16).double()
-    x, d, add = randn(37, cols, seed=17, dtype=bf16), randn(37, 1500, seed=18, dtype=bf16), randn(37, cols, seed=19, dtype=bf16)
+    x, d = randn(37, cols, seed=seed + 1, dtype=bf16), randn(37, rows, seed=seed + 2, dtype=bf16)
+    add = randn(37, cols, seed=seed + 3, dtype=bf16)
     with kt_ops.use_cpu_isa(isa):
         nt = torch.ops.kt._quant_mm_nt(x, data[0], scale[0])
         nn_ = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], add)
         nn_plain = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], None)
-    # One bf16 rounding of each output: within 2^-8 of the exact value, elementwise.
     for got, want in ((nt, x.double() @ deq.t()), (nn_, d.double() @ deq + add.double()), (nn_plain, d.double() @ deq)):
         assert got.dtype == bf16
         torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
@@ -364,19 +371,10 @@ def test_packed_panels_over_several_panels(isa, fmt, group):
     x·wᵀ in row panels of 384 and 320 (512 Ki values at most), d·w in two column panels of 512
     (wᵀ's rows), the addend added inside oneDNN's GEMM before its one rounding; each against
     float64 on the bf16-rounded dequantized weights."""
-    w = randn(1, 704, 1024, seed=22) * 0.05
-    data, scale = quantization.quantize(w, fmt, group)
-    deq = quantization.dequantize(data, scale)[0].to(bf16).double()
-    x, d, add = randn(37, 1024, seed=23, dtype=bf16), randn(37, 704, seed=24, dtype=bf16), randn(37, 1024, seed=25, dtype=bf16)
     with kt_ops.use_cpu_isa(isa):
         assert torch.ops.kt._packed_layout(384, 1024) and torch.ops.kt._packed_layout(320, 1024)
         assert torch.ops.kt._packed_layout(512, 704)
-        nt = torch.ops.kt._quant_mm_nt(x, data[0], scale[0])
-        nn_ = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], add)
-        nn_plain = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], None)
-    for got, want in ((nt, x.double() @ deq.t()), (nn_, d.double() @ deq + add.double()), (nn_plain, d.double() @ deq)):
-        assert got.dtype == bf16
-        torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-3)
+    check_bf16_panel_gemms(704, 1024, fmt, group, isa, seed=22)
 
 
 # ---- kt.moe -----------------------------------------------------------------------------------

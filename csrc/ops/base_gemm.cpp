@@ -109,41 +109,45 @@ bool packed_panels(int64_t total, int64_t width, int64_t len) {
          (total % width == 0 || packed_bf16_layout(total % width, len) != nullptr);
 }
 
+// [M, total]: `multiply(packed, p0, n)` for each packed panel of outputs [p0, p0 + n) (n =
+// width but for the last), the panel [n, len] filled by `fill(p0, layout, values)` first.
+template <typename Fill, typename Multiply>
+at::Tensor over_packed_panels(int64_t M, int64_t total, int64_t width, int64_t len, const at::TensorOptions& options,
+                              const Fill& fill, const Multiply& multiply) {
+  at::Tensor out;
+  for (int64_t p0 = 0; p0 < total; p0 += width) {
+    const int64_t n = std::min(width, total - p0);
+    const at::Tensor& p = thread_packed_weight(n, len);
+    fill(p0, *packed_bf16_layout(n, len), packed_bf16_data(p));
+    at::Tensor r = multiply(p, p0, n);
+    if (n == total) return r;
+    if (!out.defined()) out = at::empty({M, total}, options);
+    out.narrow(1, p0, n).copy_(r);
+  }
+  return out;
+}
+
 // x·wᵀ over packed panels of w's rows.
 at::Tensor packed_mm_nt(const at::Tensor& x_in, const WeightMatrix& w, int64_t nc) {
   const at::Tensor x = x_in.contiguous();
-  const int64_t N = w.rows, K = w.cols;
-  at::Tensor out;
-  for (int64_t n0 = 0; n0 < N; n0 += nc) {
-    const int64_t rows = std::min(nc, N - n0);
-    const at::Tensor& p = thread_packed_weight(rows, K);
-    dequantize_packed_rows(w, n0, *packed_bf16_layout(rows, K), packed_bf16_data(p), active_cpu_isa());
-    at::Tensor r = packed_linear(x, p);
-    if (rows == N) return r;
-    if (!out.defined()) out = at::empty({x.size(0), N}, x.options());
-    out.narrow(1, n0, rows).copy_(r);
-  }
-  return out;
+  return over_packed_panels(
+      x.size(0), w.rows, nc, w.cols, x.options(),
+      [&](int64_t n0, const PackedBf16Layout& l, uint16_t* v) { dequantize_packed_rows(w, n0, l, v, active_cpu_isa()); },
+      [&](const at::Tensor& p, int64_t, int64_t) { return packed_linear(x, p); });
 }
 
 // addend + d·w over packed panels of w's columns (wᵀ's rows).
 at::Tensor packed_mm_nn(const at::Tensor& d_in, const WeightMatrix& w, const std::optional<at::Tensor>& addend,
                         int64_t kc) {
   const at::Tensor d = d_in.contiguous();
-  const int64_t N = w.rows, K = w.cols;
-  at::Tensor out;
-  for (int64_t k0 = 0; k0 < K; k0 += kc) {
-    const int64_t cols = std::min(kc, K - k0);
-    const at::Tensor& p = thread_packed_weight(cols, N);
-    dequantize_packed_cols(w, k0, *packed_bf16_layout(cols, N), packed_bf16_data(p), active_cpu_isa());
-    at::Tensor r = addend.has_value()
-                       ? packed_linear_add(d, p, addend->narrow(1, k0, cols).to(d.scalar_type()).contiguous())
-                       : packed_linear(d, p);
-    if (cols == K) return r;
-    if (!out.defined()) out = at::empty({d.size(0), K}, d.options());
-    out.narrow(1, k0, cols).copy_(r);
-  }
-  return out;
+  return over_packed_panels(
+      d.size(0), w.cols, kc, w.rows, d.options(),
+      [&](int64_t k0, const PackedBf16Layout& l, uint16_t* v) { dequantize_packed_cols(w, k0, l, v, active_cpu_isa()); },
+      [&](const at::Tensor& p, int64_t k0, int64_t cols) {
+        return addend.has_value()
+                   ? packed_linear_add(d, p, addend->narrow(1, k0, cols).to(d.scalar_type()).contiguous())
+                   : packed_linear(d, p);
+      });
 }
 
 // x·wᵀ over panels of w's rows (whole rows: each output column in one GEMM).
