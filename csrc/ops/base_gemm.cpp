@@ -229,6 +229,24 @@ const char* quantized_gemm_path(at::ScalarType dtype) {
   return bf16_panels_for(dtype) ? "bf16_panels_onednn" : "fp32_panels_mkl";
 }
 
+at::Tensor stacked_mm_nn(const at::Tensor& d, const WeightMatrix& a, const WeightMatrix& b) {
+  const int64_t N = a.rows + b.rows, K = a.cols;
+  if (d.size(0) == 0 || !native_bf16_panels(d, a) || !b.quantized() || b.cols != K || a.rows % 2 != 0 ||
+      d.size(1) != N || K % 32 != 0) {
+    return {};
+  }
+  const int64_t kc = even_panels(K, kPackedPanelValues / N, kFp8Block);
+  if (!packed_panels(K, kc, N)) return {};
+  const at::Tensor dc = d.contiguous();
+  return over_packed_panels(
+      dc.size(0), K, kc, N, dc.options(),
+      [&](int64_t k0, const PackedBf16Layout& l, uint16_t* v) {
+        dequantize_packed_cols(a, k0, l, v, active_cpu_isa(), 0);
+        dequantize_packed_cols(b, k0, l, v, active_cpu_isa(), a.rows);
+      },
+      [&](const at::Tensor& p, int64_t, int64_t) { return packed_linear(dc, p); });
+}
+
 at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w) {
   check_2d(w, "w");
   return panel_mm_nt(x, dense(w));

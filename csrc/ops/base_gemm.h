@@ -57,6 +57,12 @@ at::Tensor base_mm_nt(const at::Tensor& x, const WeightMatrix& w);
 at::Tensor base_mm_nn(const at::Tensor& d, const WeightMatrix& w);
 void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w);
 
+// d·[a; b] (d [M, a.rows + b.rows], a and b quantized with equal columns) in one GEMM per
+// packed panel, as bf16 experts compute dx = [dg | du]·[Wg; Wu] on their packed copies; where
+// packed panels are not taken (not bf16 on avx512_bf16, layout unknown), an undefined tensor:
+// the caller adds the two products itself. One GEMM of reduction a.rows + b.rows instead of two
+// and an addend ran 12% faster ([64, 1536]·[1536, 2048] in 512-column panels, Zen 4).
+at::Tensor stacked_mm_nn(const at::Tensor& d, const WeightMatrix& a, const WeightMatrix& b);
 // x·wᵀ for decode-sized x (a few rows): thin_gemm_nt on dense weights, quant_gemv_nt on
 // quantized ones (their bytes streamed once), the panels for float64.
 at::Tensor thin_gemm_nt(const at::Tensor& x, const WeightMatrix& w);

@@ -23,11 +23,11 @@ void rows_reference(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l
   }
 }
 
-void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, uint16_t* dst) {
+void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, int64_t in0, uint16_t* dst) {
   std::vector<uint16_t> row(l.out);
-  for (int64_t n = 0; n < l.in; ++n) {
+  for (int64_t n = 0; n < w.rows; ++n) {
     dequantize_block(w, n, 1, k0, l.out, row.data(), l.out, CpuIsa::kPortable);
-    for (int64_t o = 0; o < l.out; ++o) dst[l.offset(o, n)] = row[o];
+    for (int64_t o = 0; o < l.out; ++o) dst[l.offset(o, in0 + n)] = row[o];
   }
 }
 
@@ -104,7 +104,7 @@ KT_TARGET_AVX512_BF16 void rows_avx512_bf16(const WeightMatrix& w, int64_t n0, c
 // rows.
 template <WeightFormat F>
 KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l,
-                                            uint16_t* dst) {
+                                            int64_t in0, uint16_t* dst) {
   alignas(64) static constexpr uint16_t kFirst[32] = {0,  32, 1,  33, 2,  34, 3,  35, 4,  36, 5,
                                                       37, 6,  38, 7,  39, 8,  40, 9,  41, 10, 42,
                                                       11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
@@ -115,10 +115,10 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
   // Columns per scale: an fp8 block, an int4 group (at least 32), int8's whole row.
   const int64_t run = F == WeightFormat::kFp8 ? kFp8Block : F == WeightFormat::kInt8 ? l.out : w.group;
   const int64_t segment_bytes = column_bytes<F>(l.out);
-  for (int64_t n = 0; n < l.in; n += 2) {
+  for (int64_t n = 0; n < w.rows; n += 2) {
     const uint8_t* a = q.row(n);
     const uint8_t* b = q.row(n + 1);
-    if (n + kPrefetchRows + 1 < l.in) {  // the segments of the rows a few pairs on (see rows_avx512_bf16)
+    if (n + kPrefetchRows + 1 < w.rows) {  // the segments of the rows a few pairs on (see rows_avx512_bf16)
       const uint8_t* next = q.row(n + kPrefetchRows) + column_bytes<F>(k0);
       for (int64_t off = 0; off < segment_bytes; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
@@ -129,8 +129,8 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
       const float sa = q.scale<F>(n, c0), sb = q.scale<F>(n + 1, c0);
       for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {
         const __m512i va = decode32_bf16<F>(a, c, sa), vb = decode32_bf16<F>(b, c, sb);
-        _mm512_storeu_si512(dst + l.offset(c - k0, n), _mm512_permutex2var_epi16(va, first, vb));
-        _mm512_storeu_si512(dst + l.offset(c - k0 + 16, n), _mm512_permutex2var_epi16(va, second, vb));
+        _mm512_storeu_si512(dst + l.offset(c - k0, in0 + n), _mm512_permutex2var_epi16(va, first, vb));
+        _mm512_storeu_si512(dst + l.offset(c - k0 + 16, in0 + n), _mm512_permutex2var_epi16(va, second, vb));
       }
     }
   }
@@ -154,8 +154,8 @@ struct Rows {
 
 template <WeightFormat F>
 struct Cols {
-  static void run(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, uint16_t* dst) {
-    cols_avx512_bf16<F>(w, k0, l, dst);
+  static void run(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, int64_t in0, uint16_t* dst) {
+    cols_avx512_bf16<F>(w, k0, l, in0, dst);
   }
 };
 
@@ -170,12 +170,12 @@ void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16L
 }
 
 void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& layout, uint16_t* dst,
-                            CpuIsa isa) {
-  TORCH_INTERNAL_ASSERT(w.quantized() && layout.in == w.rows && k0 >= 0 && k0 + layout.out <= w.cols &&
-                        k0 % kFp8Block == 0 && layout.out % 32 == 0 && layout.out_block % 16 == 0 &&
-                        layout.in_block % 2 == 0);
-  if (isa != CpuIsa::kAvx512Bf16) return cols_reference(w, k0, layout, dst);
-  on_format<Cols>(w.format, w, k0, layout, dst);
+                            CpuIsa isa, int64_t in0) {
+  TORCH_INTERNAL_ASSERT(w.quantized() && in0 >= 0 && in0 % 2 == 0 && w.rows % 2 == 0 && in0 + w.rows <= layout.in &&
+                        k0 >= 0 && k0 + layout.out <= w.cols && k0 % kFp8Block == 0 && layout.out % 32 == 0 &&
+                        layout.out_block % 16 == 0 && layout.in_block % 2 == 0);
+  if (isa != CpuIsa::kAvx512Bf16) return cols_reference(w, k0, layout, in0, dst);
+  on_format<Cols>(w.format, w, k0, layout, in0, dst);
 }
 
 }  // namespace kt

@@ -20,9 +20,11 @@ namespace kt {
 void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& layout, uint16_t* dst,
                             CpuIsa isa);
 
-// Columns [k0, k0 + layout.out) of w, all its rows (layout.in == w.rows), transposed: the
-// linear weight [layout.out, w.rows], the operand of d·w. k0 is a multiple of 128.
+// Columns [k0, k0 + layout.out) of w, all its rows, transposed: the linear weight
+// [layout.out, layout.in], the operand of d·w, w's rows as its input columns [in0, in0 +
+// w.rows) (in0 = 0, layout.in = w.rows for w alone; in0 > 0 for a second weight stacked below
+// a first, d·[a; b] in one GEMM). k0 is a multiple of 128; in0 and w.rows are even.
 void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& layout, uint16_t* dst,
-                            CpuIsa isa);
+                            CpuIsa isa, int64_t in0 = 0);
 
 }  // namespace kt

@@ -178,8 +178,12 @@ std::vector<at::Tensor> moe_backward_cpu(
 
     const at::Tensor x = need_x ? gather_rows_padded(in.x, tokens, padded) : at::Tensor();
     at::Tensor dx;
-    const bool fused_dx = packed && need(kHidden);
-    if (fused_dx) dx = packed_linear(dgu, packed->gate_up_t[e]);
+    if (packed && need(kHidden)) {
+      dx = packed_linear(dgu, packed->gate_up_t[e]);
+    } else if (need(kHidden) && in.gate.quantized() && in.up.quantized()) {
+      dx = stacked_mm_nn(dgu, in.gate.expert(e), in.up.expert(e));  // undefined where not available
+    }
+    const bool fused_dx = dx.defined();
     const at::Tensor q_gate = input_backward(sw.dg, in.gate, in.lora.gate_a, gate_b_t, s, e, need(kHidden),
                                              need(kGateA), dx, fused_dx);
     const at::Tensor q_up = input_backward(sw.du, in.up, in.lora.up_a, up_b_t, s, e, need(kHidden),
