@@ -1,6 +1,7 @@
 #include "ops/base_gemm.h"
 
 #include <algorithm>
+#include <initializer_list>
 
 #include "ops/convert_rows.h"
 #include "ops/dequantize.h"
@@ -74,10 +75,10 @@ void fill_panel(at::Tensor& panel, const WeightMatrix& w, int64_t n0, int64_t ro
 // values) ran 1.3-2x slower than on the whole matrix, on 256-row ones 5-15% slower, and 1 Mi
 // panels made kt.moe's quantized forward 3-10% faster than 512 Ki ones (Zen 4, Qwen3 shapes).
 //
-// Where oneDNN's packed layout of the panel shapes is known (packed_layout.h: probed; every
-// multiple-of-64 expert shape on AVX512-BF16 CPUs), the panels are dequantized straight into it
+// Where oneDNN's packed layout of the panel shapes is known (packed_layout.h: probed; on Zen 4
+// every multiple-of-64 expert shape), the panels are dequantized straight into it
 // (dequantize_packed.h) and multiplied with mkldnn's linear on the packed weight, which skips
-// the re-pack at::mm does on every plain panel: kt.moe's LoRA step at T=1024 ran 7-8% faster
+// the re-pack at::mm does on every plain panel: kt.moe's LoRA step at T=1024 ran 5-7% faster
 // (fp8, int8; Qwen3-30B-A3B, Zen 4, 2 threads). Plain panels remain for other shapes.
 constexpr int64_t kBf16PanelValues = 1024 * 1024;
 
@@ -109,6 +110,20 @@ bool packed_panels(int64_t total, int64_t width, int64_t len) {
          (total % width == 0 || packed_bf16_layout(total % width, len) != nullptr);
 }
 
+// The rows per packed panel of x·wᵀ on w [N, K], or 0 where packed panels are not taken.
+int64_t packed_rows_for(int64_t N, int64_t K) {
+  const int64_t nc = even_panels(N, kPackedPanelValues / std::max<int64_t>(K, 1), 64);
+  return packed_panels(N, nc, K) ? nc : 0;
+}
+
+// The columns per packed panel of d·w on w [N, K] (N: all stacked weights' rows), widths a
+// multiple of 128 (whole fp8 blocks and int4 groups), or 0 where packed panels are not taken.
+int64_t packed_cols_for(int64_t N, int64_t K) {
+  if (K % 32 != 0) return 0;
+  const int64_t kc = even_panels(K, kPackedPanelValues / N, kFp8Block);
+  return packed_panels(K, kc, N) ? kc : 0;
+}
+
 // [M, total]: `multiply(packed, p0, n)` for each packed panel of outputs [p0, p0 + n) (n =
 // width but for the last), the panel [n, len] filled by `fill(p0, layout, values)` first.
 template <typename Fill, typename Multiply>
@@ -136,13 +151,21 @@ at::Tensor packed_mm_nt(const at::Tensor& x_in, const WeightMatrix& w, int64_t n
       [&](const at::Tensor& p, int64_t, int64_t) { return packed_linear(x, p); });
 }
 
-// addend + d·w over packed panels of w's columns (wᵀ's rows).
-at::Tensor packed_mm_nn(const at::Tensor& d_in, const WeightMatrix& w, const std::optional<at::Tensor>& addend,
-                        int64_t kc) {
+// addend + d·[w0; w1; ...] over packed panels of the weights' columns (the stacked wᵀ's rows):
+// each weight's rows are the panel's next input columns.
+at::Tensor packed_mm_nn(const at::Tensor& d_in, std::initializer_list<const WeightMatrix*> stacked,
+                        const std::optional<at::Tensor>& addend, int64_t kc) {
   const at::Tensor d = d_in.contiguous();
+  const int64_t K = (*stacked.begin())->cols;
   return over_packed_panels(
-      d.size(0), w.cols, kc, w.rows, d.options(),
-      [&](int64_t k0, const PackedBf16Layout& l, uint16_t* v) { dequantize_packed_cols(w, k0, l, v, active_cpu_isa()); },
+      d.size(0), K, kc, d.size(1), d.options(),
+      [&](int64_t k0, const PackedBf16Layout& l, uint16_t* v) {
+        int64_t in0 = 0;
+        for (const WeightMatrix* w : stacked) {
+          dequantize_packed_cols(*w, k0, l, v, active_cpu_isa(), in0);
+          in0 += w->rows;
+        }
+      },
       [&](const at::Tensor& p, int64_t k0, int64_t cols) {
         return addend.has_value()
                    ? packed_linear_add(d, p, addend->narrow(1, k0, cols).to(d.scalar_type()).contiguous())
@@ -153,8 +176,7 @@ at::Tensor packed_mm_nn(const at::Tensor& d_in, const WeightMatrix& w, const std
 // x·wᵀ over panels of w's rows (whole rows: each output column in one GEMM).
 at::Tensor native_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
   const int64_t M = x.size(0), N = w.rows, K = w.cols;
-  const int64_t packed_rows = even_panels(N, kPackedPanelValues / std::max<int64_t>(K, 1), 64);
-  if (packed_panels(N, packed_rows, K)) return packed_mm_nt(x, w, packed_rows);
+  if (const int64_t packed_rows = packed_rows_for(N, K)) return packed_mm_nt(x, w, packed_rows);
   at::Tensor out = at::empty({M, N}, x.options());
   const int64_t nc = even_panels(N, kBf16PanelValues / std::max<int64_t>(K, 1), 16);
   at::Tensor panel = at::empty({nc, K}, x.options());
@@ -171,8 +193,7 @@ at::Tensor native_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
 // in one GEMM), widths a multiple of 128 (whole fp8 blocks and int4 groups).
 at::Tensor native_mm_nn(const at::Tensor& d, const WeightMatrix& w, const std::optional<at::Tensor>& addend) {
   const int64_t M = d.size(0), N = w.rows, K = w.cols;
-  const int64_t packed_cols = even_panels(K, kPackedPanelValues / N, kFp8Block);
-  if (K % 32 == 0 && packed_panels(K, packed_cols, N)) return packed_mm_nn(d, w, addend, packed_cols);
+  if (const int64_t packed_cols = packed_cols_for(N, K)) return packed_mm_nn(d, {&w}, addend, packed_cols);
   at::Tensor out = at::empty({M, K}, d.options());
   const int64_t kc = even_panels(K, kBf16PanelValues / N, kFp8Block);
   at::Tensor buffer = at::empty({N * kc}, d.options());
@@ -232,19 +253,11 @@ const char* quantized_gemm_path(at::ScalarType dtype) {
 at::Tensor stacked_mm_nn(const at::Tensor& d, const WeightMatrix& a, const WeightMatrix& b) {
   const int64_t N = a.rows + b.rows, K = a.cols;
   if (d.size(0) == 0 || !native_bf16_panels(d, a) || !b.quantized() || b.cols != K || a.rows % 2 != 0 ||
-      d.size(1) != N || K % 32 != 0) {
+      d.size(1) != N) {
     return {};
   }
-  const int64_t kc = even_panels(K, kPackedPanelValues / N, kFp8Block);
-  if (!packed_panels(K, kc, N)) return {};
-  const at::Tensor dc = d.contiguous();
-  return over_packed_panels(
-      dc.size(0), K, kc, N, dc.options(),
-      [&](int64_t k0, const PackedBf16Layout& l, uint16_t* v) {
-        dequantize_packed_cols(a, k0, l, v, active_cpu_isa(), 0);
-        dequantize_packed_cols(b, k0, l, v, active_cpu_isa(), a.rows);
-      },
-      [&](const at::Tensor& p, int64_t, int64_t) { return packed_linear(dc, p); });
+  const int64_t kc = packed_cols_for(N, K);
+  return kc ? packed_mm_nn(d, {&a, &b}, std::nullopt, kc) : at::Tensor();
 }
 
 at::Tensor panel_mm_nt(const at::Tensor& x, const at::Tensor& w) {

@@ -104,7 +104,8 @@ KT_TARGET_AVX2 void dequantize_avx2(const WeightMatrix& w, int64_t row0, int64_t
 
 // ---- AVX-512: 16 values per step (32 for int4) --------------------------------------------------
 
-using dequant::fp8x16_as_fp16;
+using dequant::decode16;
+using dequant::decoder_scale;
 
 KT_TARGET_AVX512 inline void store16(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 // bf16 output on the avx512 path (the avx512_bf16 path converts natively, below).
@@ -136,14 +137,11 @@ KT_TARGET_AVX512 void dequantize_avx512(const WeightMatrix& w, int64_t row0, int
       const Segment seg = segment(w, row0 + r, c);
       const int64_t end = std::min(seg.end, col1);
       if (w.format == WeightFormat::kFp8) {
-        const __m512 s = _mm512_set1_ps(seg.scale * 256.0f);
-        for (; c + 16 <= end; c += 16) store16(out + (c - col0), _mm512_mul_ps(_mm512_cvtph_ps(fp8x16_as_fp16(src + c)), s));
+        const __m512 s = _mm512_set1_ps(decoder_scale<WeightFormat::kFp8>(seg.scale));
+        for (; c + 16 <= end; c += 16) store16(out + (c - col0), decode16<WeightFormat::kFp8>(src, c, s));
       } else {
         const __m512 s = _mm512_set1_ps(seg.scale);
-        for (; c + 16 <= end; c += 16) {
-          const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c)));
-          store16(out + (c - col0), _mm512_mul_ps(_mm512_cvtepi32_ps(v), s));
-        }
+        for (; c + 16 <= end; c += 16) store16(out + (c - col0), decode16<WeightFormat::kInt8>(src, c, s));
       }
       for (; c < end; ++c) put(out + (c - col0), raw_value(w, src, c) * seg.scale);
     }

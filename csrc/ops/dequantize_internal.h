@@ -1,5 +1,6 @@
-// What dequantize.cpp and dequantize_packed.cpp share: the scale of a weight segment, a row's
-// bytes, and the AVX-512 decoders of 16 values of a row.
+// What dequantize.cpp and dequantize_packed.cpp share: the scale of a weight segment (per call
+// from the tensors, or from QuantView's raw pointers in the packed kernels' inner loops), a
+// row's bytes, and the AVX-512 decoders of a row's values.
 #pragma once
 
 #include <immintrin.h>
@@ -90,21 +91,17 @@ inline float decoder_scale(float scale) {
   return F == WeightFormat::kFp8 ? scale * 256.0f : scale;
 }
 
-// Columns c .. c+15 of a row (its bytes `row`) as float32 q·s, s = decoder_scale<F>(the
-// segment's scale) broadcast; c is even for int4 and the 16 columns lie in one segment.
+// Columns c .. c+15 of an fp8 or int8 row (its bytes `row`) as float32 q·s, s =
+// decoder_scale<F>(the segment's scale) broadcast; the 16 columns lie in one segment. (int4
+// rows decode 32 columns per 16 bytes, in dequantize.cpp's loop.)
 template <WeightFormat F>
 KT_TARGET_AVX512 inline __m512 decode16(const uint8_t* row, int64_t c, __m512 s) {
+  static_assert(F == WeightFormat::kFp8 || F == WeightFormat::kInt8, "fp8 or int8");
   if constexpr (F == WeightFormat::kFp8) {
     return _mm512_mul_ps(_mm512_cvtph_ps(fp8x16_as_fp16(row + c)), s);
-  } else if constexpr (F == WeightFormat::kInt8) {
+  } else {
     const __m512i v = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c)));
     return _mm512_mul_ps(_mm512_cvtepi32_ps(v), s);
-  } else {
-    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c / 2));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    const __m128i values = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));  // 16 columns in order
-    return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values)), s);
   }
 }
 

@@ -368,21 +368,14 @@ struct Avx2Kernels {
 
 void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, float* out) {
   if (isa == CpuIsa::kPortable) return gemv_reference(x, M, w, out);
-  // Four x rows at a time (decode blocks have at most 4: moe_forward's kGemvMaxRows).
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+  const bool avx512 = isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16;
+  qgemv::for_row_chunks(M, [&](int64_t m0, auto rows) {
+    constexpr int R = decltype(rows)::value;
     const float* xm = x + m0 * w.cols;
     float* om = out + m0 * w.rows;
-    if (isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16) {
-      qgemv::gemv_avx512(xm, std::min<int64_t>(4, M - m0), w, om);
-      continue;
-    }
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: qgemv::gemv_rows<Avx2Kernels, 1>(xm, w, om); break;
-      case 2: qgemv::gemv_rows<Avx2Kernels, 2>(xm, w, om); break;
-      case 3: qgemv::gemv_rows<Avx2Kernels, 3>(xm, w, om); break;
-      default: qgemv::gemv_rows<Avx2Kernels, 4>(xm, w, om); break;
-    }
-  }
+    if (avx512) return qgemv::gemv_avx512<R>(xm, w, om);
+    qgemv::gemv_rows<Avx2Kernels, R>(xm, w, om);
+  });
 }
 
 }  // namespace

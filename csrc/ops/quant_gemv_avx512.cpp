@@ -273,26 +273,20 @@ void gemv_int4_bf16_m(const uint16_t* x, int64_t ldx, const WeightMatrix& w, flo
 
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out) {
   TORCH_INTERNAL_ASSERT(w.format == WeightFormat::kInt4);
-  for (int64_t m0 = 0; m0 < M; m0 += 4) {
-    const uint16_t* xm = x + m0 * ldx;
-    float* om = out + m0 * w.rows;
-    switch (std::min<int64_t>(4, M - m0)) {
-      case 1: gemv_int4_bf16_m<1>(xm, ldx, w, om); break;
-      case 2: gemv_int4_bf16_m<2>(xm, ldx, w, om); break;
-      case 3: gemv_int4_bf16_m<3>(xm, ldx, w, om); break;
-      default: gemv_int4_bf16_m<4>(xm, ldx, w, om); break;
-    }
-  }
+  for_row_chunks(M, [&](int64_t m0, auto rows) {
+    gemv_int4_bf16_m<decltype(rows)::value>(x + m0 * ldx, ldx, w, out + m0 * w.rows);
+  });
 }
 
-void gemv_avx512(const float* x, int64_t M, const WeightMatrix& w, float* out) {
-  switch (M) {
-    case 1: return gemv_rows<Avx512Kernels, 1>(x, w, out);
-    case 2: return gemv_rows<Avx512Kernels, 2>(x, w, out);
-    case 3: return gemv_rows<Avx512Kernels, 3>(x, w, out);
-    default: return gemv_rows<Avx512Kernels, 4>(x, w, out);
-  }
+template <int M>
+void gemv_avx512(const float* x, const WeightMatrix& w, float* out) {
+  gemv_rows<Avx512Kernels, M>(x, w, out);
 }
+
+template void gemv_avx512<1>(const float*, const WeightMatrix&, float*);
+template void gemv_avx512<2>(const float*, const WeightMatrix&, float*);
+template void gemv_avx512<3>(const float*, const WeightMatrix&, float*);
+template void gemv_avx512<4>(const float*, const WeightMatrix&, float*);
 
 }  // namespace qgemv
 }  // namespace kt

@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
+#include <type_traits>
 #include <vector>
 
 #include "ops/cpu_isa.h"
@@ -218,8 +219,25 @@ void gemv_rows(const float* x, const WeightMatrix& w, float* out) {
   }
 }
 
-// out = x·wᵀ for M (1..4) rows of x on the AVX-512 kernels (quant_gemv_avx512.cpp).
-void gemv_avx512(const float* x, int64_t M, const WeightMatrix& w, float* out);
+// fn(m0, std::integral_constant<int, R>{}) for x rows [m0, m0 + R), four at a time (decode
+// blocks have at most 4: moe_forward's kGemvMaxRows), R known at compile time for the kernels'
+// templates.
+template <typename Fn>
+void for_row_chunks(int64_t M, const Fn& fn) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: fn(m0, std::integral_constant<int, 1>{}); break;
+      case 2: fn(m0, std::integral_constant<int, 2>{}); break;
+      case 3: fn(m0, std::integral_constant<int, 3>{}); break;
+      default: fn(m0, std::integral_constant<int, 4>{}); break;
+    }
+  }
+}
+
+// out = x·wᵀ for M (1..4) rows of x on the AVX-512 kernels (quant_gemv_avx512.cpp; instantiated
+// there for M = 1..4).
+template <int M>
+void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
 
 // out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an int4 weight, on AVX512-BF16
 // (quant_gemv_avx512.cpp): each nibble looked up as the bf16 value q − 8 (exact), multiplied
