@@ -33,6 +33,8 @@ namespace {
 
 using qgemv::AlignedFloats;
 using qgemv::load_scale;
+using qgemv::prefetch_ahead_rows;
+using qgemv::prefetch_lines;
 
 void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out) {
   std::vector<float> row(w.cols);
@@ -199,21 +201,23 @@ struct Int8Values {
 // every x vector once per row: at 2-4 x rows the loads, not the FMAs, bound the kernel (a
 // 2-row GEMV 1.5x and a 4-row one 3x slower per weight than a 1-row one). Decode is a
 // decoder type (Fp8Bits, Int8Values); with CheckNan, *nan is set when any of the RJ rows
-// holds a NaN code. sums[m][j] = the row's dot products, unscaled. The first prefetch_rows
-// rows after these RJ are prefetched.
+// holds a NaN code. sums[m][j] = the row's dot products, unscaled. prefetch_rows rows from
+// `ahead` are prefetched as the columns go.
 template <class Decoder, int M, int RJ, int C>
 KT_TARGET_AVX2 inline void dot_rows(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
-                                    int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
+                                    const uint8_t* ahead, int64_t prefetch_rows, float (&sums)[M][RJ],
+                                    bool* nan) {
   __m256 part[M][RJ][C];
   KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < RJ; ++j) KT_UNROLL for (int i = 0; i < C; ++i)
     part[m][j][i] = _mm256_setzero_ps();
   __m256i magnitude = _mm256_setzero_si256();
   for (int64_t c = 0; c < K32; c += 32) {
     if (c % 64 == 0 && prefetch_rows > 0) {
-      // The next pass's rows into L2 (see thin_gemm's prefetch_next_tile: RJ short row streams
-      // at once outran the hardware prefetcher; a 2-row fp8 GEMV read memory at 5 GB/s).
+      // Rows ahead (kPrefetchAheadBytes, quant_gemv_internal.h; thin_gemm's prefetch_next_tile:
+      // RJ short row streams at once outran the hardware prefetcher; a 2-row fp8 GEMV read
+      // memory at 5 GB/s, Zen 3).
       KT_UNROLL for (int j = 0; j < RJ; ++j) {
-        if (j < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(row + (RJ + j) * ld + c), _MM_HINT_T1);
+        if (j < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ld + c), _MM_HINT_T0);
       }
     }
     if constexpr (Decoder::kCheckNan) {
@@ -241,8 +245,8 @@ template <class Decoder>
 struct Avx2Pass {
   template <int M, int RJ, int C>
   KT_TARGET_AVX2 static void run(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
-                                 int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
-    dot_rows<Decoder, M, RJ, C>(x, K, K32, row, ld, prefetch_rows, sums, nan);
+                                 const uint8_t* ahead, int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
+    dot_rows<Decoder, M, RJ, C>(x, K, K32, row, ld, ahead, prefetch_rows, sums, nan);
   }
 };
 
@@ -325,13 +329,16 @@ KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, cons
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
+  const int64_t ahead = prefetch_ahead_rows(ld, 1);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
+    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
     const float* s = row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
     __m256 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm256_setzero_ps();
     int64_t gi = 0;
     for (; gi + C <= groups; gi += C) {
+      if (row_ahead != nullptr) prefetch_lines(row_ahead, gi * (G / 2), (gi + C) * (G / 2));
       const float* xg = x + gi * G;
       const float* ng = neg_sums + gi * 8;
       const uint8_t* pg = row + gi * (G / 2);

@@ -59,11 +59,12 @@ KT_TARGET_AVX512 inline void dot_step(const float* x, int64_t K, const uint8_t* 
 }
 
 // dot_rows of quant_gemv.cpp: RJ weight rows r..r+RJ at once against M rows of x over the
-// first K32 columns, each x vector loaded once for the RJ rows; the next pass's first
-// prefetch_rows rows prefetched into L2.
+// first K32 columns, each x vector loaded once for the RJ rows; prefetch_rows rows from `ahead`
+// prefetched.
 template <class Decoder, int M, int RJ, int C>
 KT_TARGET_AVX512 inline void dot_rows(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
-                                      int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
+                                      const uint8_t* ahead, int64_t prefetch_rows, float (&sums)[M][RJ],
+                                      bool* nan) {
   __m512 part[M][RJ][C];
   KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < RJ; ++j) KT_UNROLL for (int i = 0; i < C; ++i)
     part[m][j][i] = _mm512_setzero_ps();
@@ -71,7 +72,7 @@ KT_TARGET_AVX512 inline void dot_rows(const float* x, int64_t K, int64_t K32, co
   int64_t c = 0;
   for (; c + 64 <= K32; c += 64) {
     KT_UNROLL for (int j = 0; j < RJ; ++j) {
-      if (j < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(row + (RJ + j) * ld + c), _MM_HINT_T1);
+      if (j < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ld + c), _MM_HINT_T0);
     }
     dot_step<Decoder, M, RJ, C, 4>(x, K, row, ld, c, part, magnitude);
   }
@@ -91,8 +92,8 @@ template <class Decoder>
 struct Avx512Pass {
   template <int M, int RJ, int C>
   KT_TARGET_AVX512 static void run(const float* x, int64_t K, int64_t K32, const uint8_t* row, int64_t ld,
-                                   int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
-    dot_rows<Decoder, M, RJ, C>(x, K, K32, row, ld, prefetch_rows, sums, nan);
+                                   const uint8_t* ahead, int64_t prefetch_rows, float (&sums)[M][RJ], bool* nan) {
+    dot_rows<Decoder, M, RJ, C>(x, K, K32, row, ld, ahead, prefetch_rows, sums, nan);
   }
 };
 
@@ -150,13 +151,16 @@ KT_TARGET_AVX512 void gemv_int4_groups(const float* x, const float* neg_sums, co
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
+  const int64_t ahead = prefetch_ahead_rows(ld, 1);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
+    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
     const float* s = row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t gi = 0;
     for (; gi + C <= groups; gi += C) {
+      if (row_ahead != nullptr) prefetch_lines(row_ahead, gi * (G / 2), (gi + C) * (G / 2));
       const float* xg = x + gi * G;
       const float* ng = neg_sums + gi * 16;
       const uint8_t* pg = row + gi * (G / 2);
@@ -198,7 +202,11 @@ struct Avx512Kernels {
 // index). The products are exact, the sums float32 (vdpbf16ps also flushes bf16 denormals of
 // x, |x| < 2^-126). At one x row 1.2-1.3x the float32 kernel's weights/s, from memory and from
 // cache (benchmarks.quant_gemv, Zen 4, one thread); kt.moe's int4 decode went from 1.3-1.7x to
-// 2.0-2.4x bf16's speed (benchmarks.decode_formats, T = 1-16).
+// 2.0-2.4x bf16's speed (benchmarks.decode_formats, T = 1-16). Tried on an Intel Xeon (AMX):
+// 64 columns per step (one widening, two lookups of the low and the high nibbles, x reordered
+// into evens and odds once per call) was 10% faster from cache but 1-4% from memory, not kept.
+// The rows ahead are prefetched (kPrefetchAheadBytes): on that Xeon this doubled the GEMV's
+// speed from memory (6.9 -> 15 G weights/s, one thread).
 
 // Chains of independent sums per x row, enough to cover vdpbf16ps's latency.
 template <int M>
@@ -233,13 +241,16 @@ KT_TARGET_AVX512_BF16 void gemv_int4_bf16_rows(const uint16_t* x, int64_t ldx, c
   const void* scales = w.scale.const_data_ptr();
   const __m512 values = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(values, values);  // word q: bf16(q - 8)
+  const int64_t ahead = prefetch_ahead_rows(ld, 1);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
+    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
     const float* s = row_scales<Bf16Scales>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t g = 0;
     for (; g + C <= groups; g += C) {
+      if (row_ahead != nullptr) prefetch_lines(row_ahead, g * (G / 2), (g + C) * (G / 2));
       KT_UNROLL for (int j = 0; j < C; ++j) int4_bf16_group<M, C, G>(x, ldx, row, g + j, s[g + j], table, j, total);
     }
     for (; g < groups; ++g) int4_bf16_group<M, C, G>(x, ldx, row, g, s[g], table, 0, total);
