@@ -102,6 +102,30 @@ def test_suite_fp8_reference_leaves_out_the_quantization(tmp_path):
     assert rows[("fwd", "kt-kernel-fp8")]["status"].startswith("n/a"), rows[("fwd", "kt-kernel-fp8")]
 
 
+def test_suite_int4_reference_and_kt_kernel_integer_formats(tmp_path):
+    """--reference kt.moe-int4-fp32: kt.moe-int4's errors are its bf16 rounding alone (the
+    weights' int4 quantization, ~1e-1, left out); kt-kernel-int4 (RAWINT4 on the same bytes)
+    and kt-kernel-int8 (its own quantization of the bf16 weights) run in lora mode where
+    kt-kernel is installed, else their rows say why not; fwd mode is n/a for both."""
+    out = tmp_path / "suite.json"
+    subprocess.run([sys.executable, "-m", "benchmarks.suite", "--quick", "--cases", "tiny-t1", "--repeats", "1",
+                    "--warmup", "0", "--memory", "off", "--modes", "fwd,lora", "--reference", "kt.moe-int4-fp32",
+                    "--impls", "kt.moe,kt.moe-int4,kt-kernel-int4,kt-kernel-int8", "--json", str(out)],
+                   cwd=REPO, check=True, timeout=300, capture_output=True)
+    rows = {(r["mode"], r["impl"]): r for r in json.loads(out.read_text())["rows"]}
+    for mode in ("fwd", "lora"):
+        r = rows[(mode, "kt.moe-int4")]
+        assert r["status"] == "ok" and r["out_err"] < 1e-2 and (mode == "fwd" or r["grad_err"] < 1e-2), r
+        assert rows[(mode, "kt.moe")]["out_err"] > 3e-2  # bf16 weights: the quantization shows
+        for kk in ("kt-kernel-int4", "kt-kernel-int8"):
+            assert mode == "lora" or rows[(mode, kk)]["status"].startswith("n/a"), rows[(mode, kk)]
+    kk = rows[("lora", "kt-kernel-int4")]  # the same int4 bytes: its own (activation) rounding
+    assert kk["status"].startswith("n/a") or (kk["status"] == "ok" and kk["out_err"] < 3e-2
+                                               and kk["grad_err"] < 5e-2), kk
+    kk = rows[("lora", "kt-kernel-int8")]  # other weights (int8 of the bf16 ones): int4's error
+    assert kk["status"].startswith("n/a") or (kk["status"] == "ok" and kk["grad_err"] < 0.5), kk
+
+
 def test_decode_formats_times_every_format():
     out = subprocess.run([sys.executable, "-m", "benchmarks.decode_formats", "--tokens", "1", "3", "--experts", "8",
                           "--hidden", "256", "--intermediate", "128", "--top-k", "2", "--rounds", "1"],

@@ -50,6 +50,8 @@ Implementations (``--impls`` to pick):
 * ``kt.moe-fp8-fp32`` kt.moe-fp8's weights with float32 activations and LoRA: as
                  ``--reference kt.moe-fp8-fp32`` (fwd and lora modes) the errors of the fp8
                  kernels (kt.moe-fp8, kt-kernel-fp8) leave out the quantization of the weights;
+* ``kt.moe-int4-fp32`` the same for kt.moe-int4's weights (``--reference kt.moe-int4-fp32``:
+                 kt.moe-int4, kt-kernel-int4);
 * ``sorted-mm``  well-written eager PyTorch (``benchmarks.baselines.SortedMoE``): sort the pairs
                  by expert, ``index_select`` the hidden states once, ``split``, one fused
                  gate|up ``mm`` per expert on a fused ``[E, 2I, H]`` copy, SwiGLU, down ``mm``,
@@ -64,6 +66,14 @@ Implementations (``--impls`` to pick):
 * ``kt-kernel-fp8`` kt-kernel's ``AMXFP8_SFT`` (frozen E4M3 experts with 128x128 block scales,
                  LoRA) on the very fp8 weights kt.moe-fp8 runs on, lora mode only; it runs on
                  kt-kernel's AMX build and, seen on an AMD Zen 4, its ``avx512_bf16`` build;
+* ``kt-kernel-int4`` kt-kernel's ``RAWINT4_SFT`` (signed int4 in groups of 32, bf16 scales,
+                 LoRA rank 8) on the very bytes kt.moe-int4 runs on (compressed-tensors'
+                 layout, which is kt_ops'), lora mode only;
+* ``kt-kernel-int8`` kt-kernel's ``AMXINT8_SFT`` (W8A8) on kt-kernel's own int8 quantization of
+                 the bf16 weights (its ``.kt`` files, written by its online quantizer into a
+                 temporary directory), lora mode only; compare with ``--reference kt.moe-fp32``
+                 (each error then includes its own quantization). kt-kernel crashed with
+                 several of its wrappers in one process: run one kt-kernel impl per process;
 * ``kt-kernel``  KTransformers' CPU SFT kernels, ``kt-kernel==0.7.2`` (never a dependency: used
                  when ``import kt_kernel`` works, else reported as ``not installed``). Install
                  beside the project with ``pip install --no-deps kt-kernel==0.7.2`` plus numpy,

@@ -26,7 +26,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--impls", default=",".join(IMPLS),
                    help=f"comma-separated subset of {','.join(IMPLS)} (default all; kt.moe and "
                         f"the correctness reference (--reference) always run)")
-    p.add_argument("--reference", choices=(REFERENCE, "kt.moe-fp32", "kt.moe-fp8-fp32"), default=REFERENCE,
+    p.add_argument("--reference", choices=(REFERENCE, "kt.moe-fp32", "kt.moe-fp8-fp32", "kt.moe-int4-fp32"), default=REFERENCE,
                    help=f"the implementation every other is compared with (default {REFERENCE}); "
                         "kt.moe-fp32 on CPUs without native bf16 GEMMs, where a bf16 eager "
                         "step takes minutes")

@@ -12,15 +12,18 @@ from benchmarks.common import BASE, LORA, Impl, Unavailable, make_step, mark_upd
 from kt_ops import quantization
 from benchmarks.suite.kt_kernel import build_kt_kernel
 
-IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "kt.moe-fp8-fp32", "sorted-mm",
-         "grouped-mm", "hf-loop", "kt-kernel", "kt-kernel-fp8")
+IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "kt.moe-fp8-fp32",
+         "kt.moe-int4-fp32", "sorted-mm", "grouped-mm", "hf-loop", "kt-kernel", "kt-kernel-fp8", "kt-kernel-int8",
+         "kt-kernel-int4")
 REFERENCE = "sorted-mm"  # the correctness reference of every other implementation
 KT_MOE_DTYPES = {"kt.moe": torch.bfloat16, "kt.moe-fp32": torch.float32}
 # kt.moe on the problem's weights quantized (kt_ops.quantization; int4 in groups of 32), with
-# bf16 activations, or float32 ones for kt.moe-fp8-fp32: the reference for fp8 kernels
-# (--reference kt.moe-fp8-fp32), whose errors then exclude the weights' quantization.
+# bf16 activations, or float32 ones for kt.moe-fp8-fp32 / kt.moe-int4-fp32: the references for
+# fp8 / int4 kernels (--reference kt.moe-fp8-fp32), whose errors then exclude the weights'
+# quantization.
 KT_MOE_FORMATS = {"kt.moe-fp8": ("fp8", None, torch.bfloat16), "kt.moe-int8": ("int8", None, torch.bfloat16),
-                  "kt.moe-int4": ("int4", 32, torch.bfloat16), "kt.moe-fp8-fp32": ("fp8", None, torch.float32)}
+                  "kt.moe-int4": ("int4", 32, torch.bfloat16), "kt.moe-fp8-fp32": ("fp8", None, torch.float32),
+                  "kt.moe-int4-fp32": ("int4", 32, torch.float32)}
 
 
 def _trained(mode: str) -> tuple:
@@ -43,7 +46,11 @@ def build_impl(name: str, mode: str, prob: Dict[str, torch.Tensor], cfg) -> Impl
     if name == "kt-kernel":
         return build_kt_kernel(mode, prob, cfg)
     if name == "kt-kernel-fp8":  # the very fp8 weights kt.moe-fp8 runs on
-        return build_kt_kernel(mode, prob, cfg, fp8_weights=_quantized(prob, "fp8", None))
+        return build_kt_kernel(mode, prob, cfg, "fp8", _quantized(prob, "fp8", None))
+    if name == "kt-kernel-int4":  # the very int4 weights (groups of 32, bf16 scales) of kt.moe-int4
+        return build_kt_kernel(mode, prob, cfg, "int4", _quantized(prob, "int4", 32))
+    if name == "kt-kernel-int8":  # kt-kernel's own int8 quantization of the bf16 weights
+        return build_kt_kernel(mode, prob, cfg, "int8")
     raise ValueError(f"unknown implementation {name!r}; choose from {IMPLS}")
 
 

@@ -35,14 +35,30 @@ def _kt_kernel_wrapper_class():
     return cls
 
 
-def build_kt_kernel(mode: str, prob, cfg, fp8_weights=None) -> Impl:
-    """KTransformers' SFT MoE through the kt-kernel 0.7.2 API (DESIGN.md §4).
+# kt-kernel's SFT method per base-weight format (the frozen quantized ones train LoRA only).
+METHODS = {"bf16": "AMXBF16_SFT", "fp8": "AMXFP8_SFT", "int8": "AMXINT8_SFT", "int4": "RAWINT4_SFT"}
 
-    With ``fp8_weights`` ({projection: (float8_e4m3fn data [E, out, in], float32 scales
-    [E, out/128, in/128])}, kt_ops.quantization's layout, which is DeepSeek-V3's) the impl is
-    ``kt-kernel-fp8``: ``method="AMXFP8_SFT"`` on those weights through
-    ``load_block_fp8_weights``, frozen-base LoRA only (kt-kernel has no FP8 forward without
-    LoRA or full mode), with ``share_backward_bb`` set (its FP8 backward requires it).
+
+def build_kt_kernel(mode: str, prob, cfg, fmt: str = "bf16", quantized=None) -> Impl:
+    """KTransformers' SFT MoE through the kt-kernel 0.7.2 API (DESIGN.md §4), on the problem's
+    bf16 base weights (``fmt="bf16"``) or on frozen quantized ones (lora mode only: kt-kernel
+    has no quantized forward without LoRA or full mode):
+
+    * ``fmt="fp8"``, ``quantized`` = {projection: (float8_e4m3fn data [E, out, in], float32
+      scales [E, out/128, in/128])} (kt_ops.quantization's layout, which is DeepSeek-V3's):
+      ``method="AMXFP8_SFT"`` on those very weights through ``load_block_fp8_weights``, with
+      ``share_backward_bb`` set (its FP8 backward requires it);
+    * ``fmt="int4"``, ``quantized`` = kt_ops int4 in groups of 32 with bf16 scales ({projection:
+      (uint8 [E, out, in/2], bf16 [E, out, in/32])}): ``method="RAWINT4_SFT"`` through
+      ``load_rawint4_weights`` on those very bytes. Its layout is compressed-tensors' (``q + 8``,
+      byte j = columns 2j (low nibble) and 2j + 1), which is kt_ops'; it requires LoRA rank 8;
+    * ``fmt="int8"``: ``method="AMXINT8_SFT"``, which loads only kt-kernel's own pre-quantized
+      ``.kt`` files. They are written by kt-kernel's online quantizer (its inference
+      ``AMXInt8_MOE`` with ``save``, as its ``convert_cpu_weights.py`` does) from the problem's
+      bf16 weights into a temporary directory, removed again at close, and ``share_backward_bb``
+      is set (without it the INT8 backward's input gradients were wrong). So its weights are
+      kt-kernel's quantization of the same bf16 weights, not kt_ops' int8: compare both with
+      ``--reference kt.moe-fp32``, where each error includes its own weight quantization.
 
     ``KTMoEWrapper(..., mode="sft", method="AMXBF16_SFT")`` returns a
     ``kt_kernel.sft.amx.AMXSFTMoEWrapper``. Its conventions were checked against this project's
@@ -77,33 +93,50 @@ def build_kt_kernel(mode: str, prob, cfg, fp8_weights=None) -> Impl:
                         cfg.rank)
     train = mode != "fwd"
     use_lora = mode == "lora"
-    fp8 = fp8_weights is not None
-    if fp8 and not use_lora:
-        raise Unavailable("kt-kernel's FP8 SFT trains LoRA on frozen experts only (lora mode)")
+    if fmt != "bf16" and not use_lora:
+        raise Unavailable(f"kt-kernel's {fmt.upper()} SFT trains LoRA on frozen experts only (lora mode)")
     if use_lora and abs(cfg.lora_alpha / r - cfg.lora_scale) > 1e-12 * abs(cfg.lora_scale):
         raise Unavailable(f"kt-kernel scales LoRA by lora_alpha / r = {cfg.lora_alpha / r:g}, "
                           f"not by the suite's lora_scale {cfg.lora_scale:g}")
+    kt_files = None  # int8: the directory of kt-kernel's .kt files
     try:
+        expert_map = torch.arange(E, dtype=torch.int64)
+        if fmt == "int8":
+            kt_files = _write_int8_kt_files(prob, cfg)
         wrapper_cls = _kt_kernel_wrapper_class()
         wrapper = wrapper_cls(
             layer_idx=0, num_experts=E, num_experts_per_tok=K, hidden_size=H,
             moe_intermediate_size=I, gpu_experts_mask=None,
-            cpuinfer_threads=torch.get_num_threads(), threadpool_count=1, weight_path="",
-            chunked_prefill_size=max(T, 1), method="AMXFP8_SFT" if fp8 else "AMXBF16_SFT", mode="sft",
+            cpuinfer_threads=torch.get_num_threads(), threadpool_count=1,
+            weight_path=kt_files.name if kt_files else "",
+            chunked_prefill_size=max(T, 1), method=METHODS[fmt], mode="sft",
             num_gpu_experts=0, lora_rank=r if use_lora else 0, lora_alpha=cfg.lora_alpha,
             full_weight_grad=not use_lora)
-        if fp8:
+        if fmt == "fp8":
             from kt_kernel.sft.weights import BlockFP8ExpertWeights
             wrapper.share_backward_bb = True  # read at load; FP8 construction fails without it
             lists = {}
             for n in BASE:
-                data, scale = fp8_weights[n]
+                data, scale = quantized[n]
                 lists[n] = [data[e].contiguous() for e in range(E)]
                 lists[n.replace("proj", "scale")] = [scale[e].float().contiguous() for e in range(E)]
-            wrapper.load_block_fp8_weights(BlockFP8ExpertWeights(**lists), torch.arange(E, dtype=torch.int64))
+            wrapper.load_block_fp8_weights(BlockFP8ExpertWeights(**lists), expert_map)
+        elif fmt == "int4":
+            from kt_kernel.sft.weights import RAWINT4ExpertWeights
+            parts = {}
+            for n in BASE:
+                data, scale = quantized[n]
+                parts[n] = data.contiguous()
+                parts[n.replace("proj", "scale")] = scale.to(torch.bfloat16).contiguous()
+            wrapper.load_rawint4_weights(RAWINT4ExpertWeights(**parts, group_size=32), expert_map)
+        elif fmt == "int8":
+            # Read at load, as for FP8: without it its INT8 backward's input gradients came out
+            # wrong (relative error 0.98-1.0 on dx and the gate/up LoRA gradients), silently.
+            wrapper.share_backward_bb = True
+            wrapper.load_weights(expert_map)  # reads the .kt files under weight_path
         else:
             gate, up, down = (prob[n].to(DTYPE).contiguous() for n in BASE)
-            wrapper.load_weights_from_tensors(gate, up, down, torch.arange(E, dtype=torch.int64))
+            wrapper.load_weights_from_tensors(gate, up, down, expert_map)
         lora_grads = {}
         if use_lora:
             lora_grads = {n: torch.zeros_like(prob[n], dtype=DTYPE,
@@ -114,6 +147,8 @@ def build_kt_kernel(mode: str, prob, cfg, fp8_weights=None) -> Impl:
         elif mode == "full":
             wrapper.init_full_weight_grad_buffers(gate, up, down)
     except Exception as e:
+        if kt_files is not None:
+            kt_files.cleanup()
         raise Unavailable(f"kt-kernel setup failed: {type(e).__name__}: {e}") from e
 
     x = prob["hidden"].to(DTYPE).contiguous()
@@ -152,7 +187,41 @@ def build_kt_kernel(mode: str, prob, cfg, fp8_weights=None) -> Impl:
         lora_grads.clear()
         state.clear()
         wrapper_cls.clear_sft_buffer_cache()  # the shared grow-only I/O buffers
+        if kt_files is not None:
+            kt_files.cleanup()
 
-    impl = Impl("kt-kernel-fp8" if fp8 else "kt-kernel", step, reset, grads)
+    impl = Impl("kt-kernel" if fmt == "bf16" else f"kt-kernel-{fmt}", step, reset, grads)
     impl.close = close
     return impl
+
+
+def _write_int8_kt_files(prob, cfg):
+    """kt-kernel's INT8 quantization of the problem's bf16 base weights, as the ``.kt`` files
+    (``_layer_0/_numa_0/INT8_{proj}_{expert}_*.kt``) that its AMXINT8_SFT loads, written by
+    its inference ``AMXInt8_MOE`` with ``save`` set (what kt-kernel's convert_cpu_weights.py
+    does; its Python wrapper for this needs pinned CUDA memory, so the C++ module is driven
+    directly). Returns the TemporaryDirectory holding them."""
+    import tempfile
+
+    import kt_kernel_ext.moe as moe_ext
+    from kt_kernel.experts_base import BaseMoEWrapper
+
+    out = tempfile.TemporaryDirectory(prefix="kt-kernel-int8-")
+    try:
+        gate, up, down = (prob[n].to(DTYPE).contiguous() for n in BASE)
+        cpu_infer = BaseMoEWrapper._get_cpu_infer(torch.get_num_threads(), 1)
+        on_gpu = torch.zeros(cfg.experts, dtype=torch.bool)  # every expert on the CPU
+        config = moe_ext.MOEConfig(cfg.experts, cfg.topk, cfg.hidden, cfg.intermediate, on_gpu.data_ptr())
+        # max_len: the rows of its (unused) activation buffers, a multiple of its AMX tile rows
+        config.layer_idx, config.pool, config.max_len = 0, cpu_infer.backend_, 256
+        config.save, config.load, config.path = True, False, out.name
+        config.gate_proj, config.up_proj, config.down_proj = gate.data_ptr(), up.data_ptr(), down.data_ptr()
+        quantizer = moe_ext.AMXInt8_MOE(config)
+        expert_map = torch.arange(cfg.experts, dtype=torch.int64)
+        cpu_infer.submit(quantizer.load_weights_task(expert_map.data_ptr()))
+        cpu_infer.sync()
+        del quantizer
+    except Exception:
+        out.cleanup()
+        raise
+    return out

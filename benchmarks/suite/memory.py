@@ -187,6 +187,8 @@ def estimate_peak_gib(case: Case, mode: str, impls: List[str]) -> float:
             total += W
         if name == "kt-kernel":
             total += 4 * W  # its packed weight copies: ~3.6 W measured (0.7.2, case mid)
-        if name == "kt-kernel-fp8":
-            total += 2 * W  # its packed fp8 copies (half of bf16's bytes; not measured)
+        if name in ("kt-kernel-fp8", "kt-kernel-int8"):
+            total += 2 * W  # its packed 8-bit copies (half of bf16's bytes; not measured)
+        if name == "kt-kernel-int4":
+            total += W  # its packed int4 copies (a quarter of bf16's bytes; not measured)
     return total / 2 ** 30
