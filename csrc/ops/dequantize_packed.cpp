@@ -43,6 +43,32 @@ constexpr int64_t column_bytes(int64_t c) {
   return F == WeightFormat::kInt4 ? c / 2 : c;
 }
 
+// offset(o, i) of a layout as the sum of a part of o and a part of i, without the divisions in
+// the kernels' inner loops: out_block is a power of two (kOutBlocks of packed_layout.cpp).
+// Computing offset() for every store had made the d·w kernel division-bound: 3.7-3.9 G
+// weights/s, now 5.2-6.2 (one thread, panels of 256 columns of a [1536, 2048] weight, Intel
+// Xeon with AMX).
+struct OutPart {
+  int shift;
+  int64_t mask, block_stride;
+  explicit OutPart(const PackedBf16Layout& l)
+      : shift(__builtin_ctzll(l.out_block)), mask(l.out_block - 1), block_stride(l.in * l.out_block) {}
+  int64_t operator()(int64_t o) const { return (o >> shift) * block_stride + (o & mask) * 2; }
+};
+
+// The part of an even i: in_block is the whole row or a power of two (kInBlocks).
+struct InPart {
+  bool whole_row;
+  int shift;
+  int64_t mask, out_block;
+  explicit InPart(const PackedBf16Layout& l)
+      : whole_row(l.in_block == l.in), shift(__builtin_ctzll(l.in_block)), mask(l.in_block - 1),
+        out_block(l.out_block) {}
+  int64_t operator()(int64_t i) const {
+    return whole_row ? i * out_block : (i >> shift) * ((mask + 1) * out_block) + (i & mask) * out_block;
+  }
+};
+
 // r[i] element j -> r[j] element i, for 16 vectors of 16 dwords.
 KT_TARGET_AVX512 inline void transpose16x16_epi32(__m512i r[16]) {
   __m512i t[16];
@@ -76,6 +102,8 @@ template <WeightFormat F>
 KT_TARGET_AVX512_BF16 void rows_avx512_bf16(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l,
                                             uint16_t* dst) {
   const QuantView q(w);
+  const OutPart out_part(l);
+  const InPart in_part(l);
   __m512i t[16];
   for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
     for (int64_t i0 = 0; i0 < l.in; i0 += 32) {  // 32 columns lie in one fp8 block / int4 group
@@ -94,7 +122,7 @@ KT_TARGET_AVX512_BF16 void rows_avx512_bf16(const WeightMatrix& w, int64_t n0, c
         t[r] = decode32_bf16<F>(src, i0, q.scale<F>(row, i0));
       }
       transpose16x16_epi32(t);
-      uint16_t* tile = dst + l.offset(o0, i0);  // pair j of the tile: out_block pairs further on
+      uint16_t* tile = dst + out_part(o0) + in_part(i0);  // pair j of the tile: out_block pairs further on
       for (int j = 0; j < 16; ++j) _mm512_storeu_si512(tile + j * l.out_block * 2, t[j]);
     }
   }
@@ -115,7 +143,9 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
   // Columns per scale: an fp8 block, an int4 group (at least 32), int8's whole row.
   const int64_t run = F == WeightFormat::kFp8 ? kFp8Block : F == WeightFormat::kInt8 ? l.out : w.group;
   const int64_t segment_bytes = column_bytes<F>(l.out);
+  const OutPart out_part(l);
   for (int64_t n = 0; n < w.rows; n += 2) {
+    uint16_t* pair_dst = dst + l.offset(0, in0 + n);  // + out_part(o): pair (n, n + 1) of output o
     const uint8_t* a = q.row(n);
     const uint8_t* b = q.row(n + 1);
     if (n + kPrefetchRows + 1 < w.rows) {  // the segments of the rows a few pairs on (see rows_avx512_bf16)
@@ -129,8 +159,8 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
       const float sa = q.scale<F>(n, c0), sb = q.scale<F>(n + 1, c0);
       for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {
         const __m512i va = decode32_bf16<F>(a, c, sa), vb = decode32_bf16<F>(b, c, sb);
-        _mm512_storeu_si512(dst + l.offset(c - k0, in0 + n), _mm512_permutex2var_epi16(va, first, vb));
-        _mm512_storeu_si512(dst + l.offset(c - k0 + 16, in0 + n), _mm512_permutex2var_epi16(va, second, vb));
+        _mm512_storeu_si512(pair_dst + out_part(c - k0), _mm512_permutex2var_epi16(va, first, vb));
+        _mm512_storeu_si512(pair_dst + out_part(c - k0 + 16), _mm512_permutex2var_epi16(va, second, vb));
       }
     }
   }
