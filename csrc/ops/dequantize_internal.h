@@ -112,21 +112,38 @@ KT_TARGET_AVX512 inline __m512 decode16(const uint8_t* row, int64_t c, __m512 s)
 // in the table of the 16 products (q − 8)·s made per call (vpermw: 32 lookups in one
 // instruction; 10-15% faster than converting each value, Zen 4). A table of fp8's 8 mantissas
 // with the exponent added as an integer ran 25% slower than the conversion.
+//
+// decode32_bytes_bf16: the same for fp8 and int8 from 32 bytes already in a register, value j
+// scaled by s_lo[j] (j < 16) or s_hi[j - 16] (decoder_scale<F> applied), for kernels that
+// rearrange the bytes before decoding.
 template <WeightFormat F>
-KT_TARGET_AVX512_BF16 inline __m512i decode32_bf16(const uint8_t* row, int64_t c, float scale) {
+KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes_bf16(__m256i bytes, __m512 s_lo, __m512 s_hi) {
+  static_assert(F == WeightFormat::kFp8 || F == WeightFormat::kInt8, "fp8 or int8");
   if constexpr (F == WeightFormat::kFp8) {
-    const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)));
+    const __m512i b = _mm512_cvtepu8_epi16(bytes);
     const __m512i mag = _mm512_and_si512(b, _mm512_set1_epi16(0x7f));
     // (mag << 7) | ((b << 8) & 0x8000); NaN for the magnitude 0x7f
     __m512i h = _mm512_ternarylogic_epi32(_mm512_slli_epi16(mag, 7), _mm512_slli_epi16(b, 8),
                                           _mm512_set1_epi16(int16_t(0x8000)), 0xf8);
     h = _mm512_mask_mov_epi16(h, _mm512_cmpeq_epi16_mask(mag, _mm512_set1_epi16(0x7f)),
                               _mm512_or_si512(h, _mm512_set1_epi16(0x7e00)));
-    const __m512 s = _mm512_set1_ps(scale * 256.0f);
-    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s);
-    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s);
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_castsi512_si256(h)), s_lo);
+    const __m512 hi = _mm512_mul_ps(_mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1)), s_hi);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-  } else if constexpr (F == WeightFormat::kInt8) {
+  } else {
+    const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(bytes))), s_lo);
+    const __m512 hi =
+        _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1))), s_hi);
+    return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+  }
+}
+
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 inline __m512i decode32_bf16(const uint8_t* row, int64_t c, float scale) {
+  if constexpr (F == WeightFormat::kFp8) {
+    const __m512 s = _mm512_set1_ps(decoder_scale<F>(scale));
+    return decode32_bytes_bf16<F>(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)), s, s);
+  } else if constexpr (F == WeightFormat::kInt8) {  // two widening loads: no extract
     const __m512 s = _mm512_set1_ps(scale);
     const __m128i* p = reinterpret_cast<const __m128i*>(row + c);
     const __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p))), s);

@@ -128,6 +128,86 @@ KT_TARGET_AVX512_BF16 void rows_avx512_bf16(const WeightMatrix& w, int64_t n0, c
   }
 }
 
+// An 8 x 8 transpose of 16-bit units inside every 128-bit lane of 8 registers: unit k of lane L
+// of r[j] -> unit j of lane L of r[k].
+KT_TARGET_AVX512 inline void transpose8x8_epi16_in_lanes(__m512i r[8]) {
+  __m512i t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm512_unpacklo_epi16(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_epi16(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm512_unpacklo_epi32(t[i], t[i + 2]);
+    u[i + 1] = _mm512_unpackhi_epi32(t[i], t[i + 2]);
+    u[i + 2] = _mm512_unpacklo_epi32(t[i + 1], t[i + 3]);
+    u[i + 3] = _mm512_unpackhi_epi32(t[i + 1], t[i + 3]);
+  }
+  for (int k = 0; k < 4; ++k) {
+    r[2 * k] = _mm512_unpacklo_epi64(u[k], u[k + 4]);
+    r[2 * k + 1] = _mm512_unpackhi_epi64(u[k], u[k + 4]);
+  }
+}
+
+// The 16 scales of rows r .. r+15 as the lanes of decode32_bytes_bf16's two halves: lanes 2j
+// and 2j + 1 of lo hold row j's, of hi row 8 + j's (int8: one scale per row).
+KT_TARGET_AVX512 inline void pair_lane_scales(const QuantView& q, int64_t r, __m512& lo, __m512& hi) {
+  const __m512 s = q.scale_f32 != nullptr ? _mm512_loadu_ps(q.scale_f32 + r) : simd::load16_bf16(q.scale_bf16 + r);
+  alignas(64) static constexpr int32_t kLo[16] = {0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7};
+  const __m512i idx = _mm512_load_si512(kLo);
+  lo = _mm512_permutexvar_ps(idx, s);
+  hi = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), s);
+}
+
+// fp8 / int8 tiles of 16 rows by 32 columns, rearranged as bytes before they are decoded: the
+// 32 bytes of rows j and j + 8 in one register (j < 8), an 8 x 8 transpose of column pairs in
+// every lane, a lane shuffle, and each half of a register is then column pair p of the 16 rows,
+// which decodes straight into the 64 bytes of the layout. Transposing the decoded bf16 values
+// instead (rows_avx512_bf16, which int4 keeps: its lookup table is one row's) shuffled twice
+// the bytes: one thread, 256-row panels of a [1536, 2048] weight, Intel Xeon with AMX, best of
+// four alternating runs, fp8 108 -> 89 us, int8 79 -> 62 us. The tile's 16 rows share one fp8
+// block scale; int8's row scales are two vectors per 16 rows.
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l,
+                                                        uint16_t* dst) {
+  static_assert(F == WeightFormat::kFp8 || F == WeightFormat::kInt8, "fp8 or int8");
+  const QuantView q(w);
+  const OutPart out_part(l);
+  const InPart in_part(l);
+  for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
+    const int64_t r0 = n0 + o0;
+    __m512 s_lo, s_hi;
+    if constexpr (F == WeightFormat::kInt8) pair_lane_scales(q, r0, s_lo, s_hi);
+    for (int64_t i0 = 0; i0 < l.in; i0 += 32) {
+      if constexpr (F == WeightFormat::kFp8) s_lo = s_hi = _mm512_set1_ps(dequant::decoder_scale<F>(q.scale<F>(r0, i0)));
+      // prefetch as rows_avx512_bf16 does
+      const int64_t ahead = i0 + kPrefetchColumns;
+      const int64_t ahead_row = ahead < l.in ? r0 : r0 + 16;
+      const int64_t ahead_col = ahead < l.in ? ahead : ahead - l.in;
+      if (i0 % 64 == 0) {
+        for (int r = 0; r < 16; ++r) {
+          if (ahead_row + r < w.rows) _mm_prefetch(reinterpret_cast<const char*>(q.row(ahead_row + r) + ahead_col), _MM_HINT_T0);
+        }
+      }
+      __m512i v[8];
+      for (int j = 0; j < 8; ++j) {
+        const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.row(r0 + j) + i0));
+        const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.row(r0 + j + 8) + i0));
+        v[j] = _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
+      }
+      // lane L of v[k]: pair k (L = 0) / 8 + k (L = 1) of rows 0-7, the same of rows 8-15 (L = 2, 3)
+      transpose8x8_epi16_in_lanes(v);
+      uint16_t* tile = dst + out_part(o0) + in_part(i0);  // pair p of the tile: out_block pairs further on
+      for (int k = 0; k < 8; ++k) {
+        const __m512i z = _mm512_shuffle_i64x2(v[k], v[k], 0xd8);  // lanes 0, 2, 1, 3
+        _mm512_storeu_si512(tile + k * l.out_block * 2,
+                            dequant::decode32_bytes_bf16<F>(_mm512_castsi512_si256(z), s_lo, s_hi));
+        _mm512_storeu_si512(tile + (8 + k) * l.out_block * 2,
+                            dequant::decode32_bytes_bf16<F>(_mm512_extracti64x4_epi64(z, 1), s_lo, s_hi));
+      }
+    }
+  }
+}
+
 // Rows n and n + 1, 32 columns at a time: interleaved, the pairs (n, n + 1) of 2 x 16 output
 // rows.
 template <WeightFormat F>
@@ -178,7 +258,11 @@ void on_format(WeightFormat f, Args&&... args) {
 template <WeightFormat F>
 struct Rows {
   static void run(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
-    rows_avx512_bf16<F>(w, n0, l, dst);
+    if constexpr (F == WeightFormat::kInt4) {
+      rows_avx512_bf16<F>(w, n0, l, dst);  // one lookup table per row: decoded a row at a time
+    } else {
+      rows_bytes_first_avx512_bf16<F>(w, n0, l, dst);
+    }
   }
 };
 
