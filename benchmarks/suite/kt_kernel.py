@@ -1,5 +1,7 @@
 """The optional kt-kernel adapter: KTransformers' CPU SFT MoE (``kt-kernel==0.7.2``, never a
 dependency) driven as one more implementation, and the status line of its install."""
+import tempfile
+
 import torch
 
 from benchmarks.common import BASE, LORA, Impl, Unavailable
@@ -201,8 +203,6 @@ def _write_int8_kt_files(prob, cfg):
     its inference ``AMXInt8_MOE`` with ``save`` set (what kt-kernel's convert_cpu_weights.py
     does; its Python wrapper for this needs pinned CUDA memory, so the C++ module is driven
     directly). Returns the TemporaryDirectory holding them."""
-    import tempfile
-
     import kt_kernel_ext.moe as moe_ext
     from kt_kernel.experts_base import BaseMoEWrapper
 

@@ -69,6 +69,22 @@ struct InPart {
   }
 };
 
+// Before the x·wᵀ tile of 16 rows from r0 at columns i0 .. i0+31 of rows `in` columns long:
+// each of the 16 rows' line kPrefetchColumns ahead (the next 16 rows' first columns near the
+// end of these), once per cache line. The weights mostly come from memory, and the hardware's
+// prefetchers do not follow 16 interleaved streams.
+template <WeightFormat F>
+KT_TARGET_AVX512 inline void prefetch_tile_ahead(const QuantView& q, int64_t rows, int64_t r0, int64_t i0,
+                                                 int64_t in) {
+  if (column_bytes<F>(i0) % 64 != 0) return;
+  const int64_t ahead = i0 + kPrefetchColumns;
+  const int64_t ahead_row = ahead < in ? r0 : r0 + 16;
+  const int64_t ahead_bytes = column_bytes<F>(ahead < in ? ahead : ahead - in);
+  for (int r = 0; r < 16 && ahead_row + r < rows; ++r) {
+    _mm_prefetch(reinterpret_cast<const char*>(q.row(ahead_row + r) + ahead_bytes), _MM_HINT_T0);
+  }
+}
+
 // r[i] element j -> r[j] element i, for 16 vectors of 16 dwords.
 KT_TARGET_AVX512 inline void transpose16x16_epi32(__m512i r[16]) {
   __m512i t[16];
@@ -96,30 +112,23 @@ KT_TARGET_AVX512 inline void transpose16x16_epi32(__m512i r[16]) {
   }
 }
 
-// Tiles of 16 rows by 32 columns: each row's 32 columns are 16 column pairs (dwords); the
+// int4 tiles of 16 rows by 32 columns (one group), decoded a row at a time (the lookup table
+// is the row's: decode32_bf16): each row's 32 columns are 16 column pairs (dwords); the
 // transpose puts pair j of the 16 rows side by side, 64 contiguous bytes of the layout.
 template <WeightFormat F>
-KT_TARGET_AVX512_BF16 void rows_avx512_bf16(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l,
-                                            uint16_t* dst) {
+KT_TARGET_AVX512_BF16 void rows_values_first_avx512_bf16(const WeightMatrix& w, int64_t n0,
+                                                         const PackedBf16Layout& l, uint16_t* dst) {
+  static_assert(F == WeightFormat::kInt4, "fp8 and int8 take rows_bytes_first_avx512_bf16");
   const QuantView q(w);
   const OutPart out_part(l);
   const InPart in_part(l);
   __m512i t[16];
   for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
-    for (int64_t i0 = 0; i0 < l.in; i0 += 32) {  // 32 columns lie in one fp8 block / int4 group
-      // The weights mostly come from memory: fetch each row kPrefetchColumns ahead (the next
-      // 16 rows' first columns near the end of these), which the hardware's prefetchers do not
-      // for 16 interleaved streams.
-      const int64_t ahead = i0 + kPrefetchColumns;
-      const int64_t ahead_row = ahead < l.in ? n0 + o0 : n0 + o0 + 16;
-      const int64_t ahead_col = ahead < l.in ? ahead : ahead - l.in;
+    for (int64_t i0 = 0; i0 < l.in; i0 += 32) {
+      prefetch_tile_ahead<F>(q, w.rows, n0 + o0, i0, l.in);
       for (int r = 0; r < 16; ++r) {
         const int64_t row = n0 + o0 + r;
-        const uint8_t* src = q.row(row);
-        if (column_bytes<F>(i0) % 64 == 0 && ahead_row + r < w.rows) {  // once per cache line
-          _mm_prefetch(reinterpret_cast<const char*>(q.row(ahead_row + r) + column_bytes<F>(ahead_col)), _MM_HINT_T0);
-        }
-        t[r] = decode32_bf16<F>(src, i0, q.scale<F>(row, i0));
+        t[r] = decode32_bf16<F>(q.row(row), i0, q.scale<F>(row, i0));
       }
       transpose16x16_epi32(t);
       uint16_t* tile = dst + out_part(o0) + in_part(i0);  // pair j of the tile: out_block pairs further on
@@ -162,7 +171,7 @@ KT_TARGET_AVX512 inline void pair_lane_scales(const QuantView& q, int64_t r, __m
 // 32 bytes of rows j and j + 8 in one register (j < 8), an 8 x 8 transpose of column pairs in
 // every lane, a lane shuffle, and each half of a register is then column pair p of the 16 rows,
 // which decodes straight into the 64 bytes of the layout. Transposing the decoded bf16 values
-// instead (rows_avx512_bf16, which int4 keeps: its lookup table is one row's) shuffled twice
+// instead (rows_values_first_avx512_bf16, which int4 keeps: its lookup table is one row's) shuffled twice
 // the bytes: one thread, 256-row panels of a [1536, 2048] weight, Intel Xeon with AMX, best of
 // four alternating runs, fp8 108 -> 89 us, int8 79 -> 62 us. The tile's 16 rows share one fp8
 // block scale; int8's row scales are two vectors per 16 rows.
@@ -178,16 +187,10 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
     __m512 s_lo, s_hi;
     if constexpr (F == WeightFormat::kInt8) pair_lane_scales(q, r0, s_lo, s_hi);
     for (int64_t i0 = 0; i0 < l.in; i0 += 32) {
-      if constexpr (F == WeightFormat::kFp8) s_lo = s_hi = _mm512_set1_ps(dequant::decoder_scale<F>(q.scale<F>(r0, i0)));
-      // prefetch as rows_avx512_bf16 does
-      const int64_t ahead = i0 + kPrefetchColumns;
-      const int64_t ahead_row = ahead < l.in ? r0 : r0 + 16;
-      const int64_t ahead_col = ahead < l.in ? ahead : ahead - l.in;
-      if (i0 % 64 == 0) {
-        for (int r = 0; r < 16; ++r) {
-          if (ahead_row + r < w.rows) _mm_prefetch(reinterpret_cast<const char*>(q.row(ahead_row + r) + ahead_col), _MM_HINT_T0);
-        }
+      if constexpr (F == WeightFormat::kFp8) {
+        s_lo = s_hi = _mm512_set1_ps(dequant::decoder_scale<F>(q.scale<F>(r0, i0)));
       }
+      prefetch_tile_ahead<F>(q, w.rows, r0, i0, l.in);
       __m512i v[8];
       for (int j = 0; j < 8; ++j) {
         const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q.row(r0 + j) + i0));
@@ -228,7 +231,7 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
     uint16_t* pair_dst = dst + l.offset(0, in0 + n);  // + out_part(o): pair (n, n + 1) of output o
     const uint8_t* a = q.row(n);
     const uint8_t* b = q.row(n + 1);
-    if (n + kPrefetchRows + 1 < w.rows) {  // the segments of the rows a few pairs on (see rows_avx512_bf16)
+    if (n + kPrefetchRows + 1 < w.rows) {  // the segments of the rows a few pairs on (see prefetch_tile_ahead)
       const uint8_t* next = q.row(n + kPrefetchRows) + column_bytes<F>(k0);
       for (int64_t off = 0; off < segment_bytes; off += 64) {
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
@@ -259,7 +262,7 @@ template <WeightFormat F>
 struct Rows {
   static void run(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
     if constexpr (F == WeightFormat::kInt4) {
-      rows_avx512_bf16<F>(w, n0, l, dst);  // one lookup table per row: decoded a row at a time
+      rows_values_first_avx512_bf16<F>(w, n0, l, dst);
     } else {
       rows_bytes_first_avx512_bf16<F>(w, n0, l, dst);
     }

@@ -268,8 +268,8 @@ void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
 
 // out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an int4 weight, on AVX512-BF16
 // (quant_gemv_avx512.cpp): each nibble looked up as the bf16 value q − 8 (exact), multiplied
-// with x's bf16 pairs by vdpbf16ps (exact products, float32 sums), each group's sum times its
-// scale; out [M, R] float32.
+// with x's bf16 values by vdpbf16ps (x reordered once per call to the lookups' order; exact
+// products, float32 sums), each group's sum times its scale; out [M, R] float32.
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
 
 }  // namespace qgemv
