@@ -210,15 +210,16 @@ def test_decode_gemv_on_every_byte_across_fp8_bands(isa, fmt, group, rows):
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
-@pytest.mark.parametrize("group", [32, 64, 128])
+# 512 columns of 128-column steps, then a last 0 / 32 / 64 / 96 columns of 32-column steps
+@pytest.mark.parametrize("group,cols", [(32, 544), (32, 608), (64, 576), (128, 640)])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
 @pytest.mark.parametrize("scale_dtype", [bf16, torch.float32], ids=["bf16-scales", "fp32-scales"])
-def test_decode_gemv_int4_on_bf16_activations_every_byte(isa, group, rows, scale_dtype):
-    """bf16 x on int4 weights (on avx512_bf16: nibbles looked up as bf16 and vdpbf16ps on x
-    reordered into each 64 columns' evens and odds, a last 32 columns on x as it is): every byte
-    value over 96 rows, against float64 on the dequantized weights; the only error is the
-    output's one bf16 rounding (float32 sums)."""
-    cols = {32: 544, 64: 576, 128: 640}[group]  # 544: a last 32 columns after the 64-column steps
+def test_decode_gemv_int4_on_bf16_activations_every_byte(isa, group, cols, rows, scale_dtype):
+    """bf16 x on int4 weights (on avx512_bf16: each 128 columns' nibbles masked into bf16
+    128 + q, vdpbf16ps on x reordered into its column classes mod 4, the bias taken out through
+    x's sums; a last K % 128 columns looked up as bf16 q - 8 against x as it is): every byte
+    value over 96 rows, against float64 on the dequantized weights; the error is the output's
+    one bf16 rounding and float32 sums."""
     data, scale = raw_weight("int4", group, 96, cols, scale_dtype, seed=13)
     x = randn(rows, cols, seed=14, dtype=bf16)
     got = torch.ops.kt._quant_gemv_nt(x, data, scale, isa)

@@ -196,43 +196,60 @@ struct Avx512Kernels {
 
 // ---- int4 on bf16 activations (AVX512-BF16) -------------------------------------------------
 //
-// The float32 kernel above spends two conversions and two FMAs per 32 weights. Here 64 weights
-// (32 bytes) are one widening (vpmovzxbw), one shift, two table lookups (vpermw) and two
-// vdpbf16ps: the low nibbles index the table as they are (bits 5-7 of a byte are ignored by
-// vpermw's 32-entry index and bit 4 selects the table's copy, so the table holds q - 8 twice),
-// the high nibbles after a shift. The low-nibble vector then holds the even columns of the 64
-// and the high-nibble vector the odd ones, so x is reordered to match once per call
-// (bf16_x_evens_odds). The products are exact, the sums float32 (vdpbf16ps also flushes bf16
-// denormals of x, |x| < 2^-126). A last 32 columns (K % 64 = 32) go through the 32-column step
-// on x as it is. Against the previous kernel (one lookup per 32 columns on x as it is; both
-// prefetching the rows ahead), Intel Xeon with AMX: one thread, one x row, [768, 2048]
-// (benchmarks.quant_gemv): 10% more weights/s from cache, 1-4% from memory; kt.moe int4
-// decode on 2 threads (benchmarks.decode_formats, which there is bound by these instructions):
-// 5% faster at T = 1 and 16. On Zen 4 the 32-column kernel had been 1.2-1.3x the float32
-// kernel's speed (kt.moe int4 decode from 1.3-1.7x to 2.0-2.4x bf16's). The rows ahead are
-// prefetched (kPrefetchAheadBytes): on that Xeon this doubled the GEMV's speed from memory
-// (6.9 -> 15 G weights/s, one thread).
+// 128 columns (64 bytes, one load) per step, decoded without a lookup table. The 16-bit word j
+// of the 64 bytes holds columns 4j .. 4j+3, a nibble each (byte 2j's low and high nibble, then
+// byte 2j+1's). Its k-th nibble q masked into the mantissa of 0x4300 (bf16 128.0, whose unit in
+// the last place is 1) is the bf16 128 + q exactly: one shift and one vpternlogd per 32
+// columns, where the previous kernel spent a widening, a shift and two vpermw lookups per 64
+// (and port 5 ran every lookup and widening). The stored +8 and the 128 come back out through
+// x's sums: Σ x (q − 8) = Σ x (128 + q) − 136 Σ x, with Σ x per sum lane computed once per call.
+// vdpbf16ps pairs words 2i and 2i + 1, so sum lane i of nibble k's products holds columns
+// 8i + k and 8i + 4 + k: x is reordered into its four column classes mod 4 once per call
+// (bf16_x_mod4), and lane i covers columns 8i .. 8i+7 (a group of 32 is 4 lanes). The products
+// are exact and the sums float32 (vdpbf16ps also flushes bf16 denormals of x, |x| < 2^-126);
+// the bias makes the float32 sums about 136 / |q - 8| times larger, so their rounding is a
+// few 1e-6 of a row's result (bf16 outputs round at 4e-3). A last K % 128 columns go through a
+// 32-column lookup step on x as it is. The rows ahead are prefetched (kPrefetchAheadBytes): on
+// the Intel Xeon with AMX this doubled the GEMV's speed from memory (6.9 -> 15 G weights/s,
+// one thread).
 
 // Chains of independent sums per x row, enough to cover vdpbf16ps's latency.
 template <int M>
 constexpr int kBf16Chains = M == 1 ? 4 : M == 2 ? 2 : 1;
 
-// x [M, K] bf16 (row stride ldx) as each 64 columns' 32 evens then 32 odds, into xp [M, K]; the
-// last K % 64 columns are copied as they are.
-KT_TARGET_AVX512_BF16 void bf16_x_evens_odds(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp) {
+constexpr int64_t kInt4Step = 128;  // columns per step of the bf16 kernel
+constexpr float kInt4Bias = 136.0f;  // 128 (the decoded form) + 8 (the stored offset)
+
+// x [M, K] bf16 (row stride ldx): each 128 columns' four classes mod 4 (columns c + 4j + k,
+// j = 0 .. 31, for k = 0 .. 3) into xp [M, K / 128 * 128], and kInt4Bias times the sums of the
+// step kernel's lanes (columns 8i .. 8i+7 of each 128) into sums [M, K / 128, 16]. The sums come
+// from vdpbf16ps against ones, so they see x as the products do (denormals flushed).
+KT_TARGET_AVX512_BF16 void bf16_x_mod4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp,
+                                       float* sums) {
   alignas(64) uint16_t even_idx[32], odd_idx[32];
   for (int i = 0; i < 32; ++i) even_idx[i] = uint16_t(2 * i), odd_idx[i] = uint16_t(2 * i + 1);
   const __m512i ie = _mm512_load_si512(even_idx), io = _mm512_load_si512(odd_idx);
-  const int64_t K64 = K / 64 * 64;
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+  const int64_t steps = K / kInt4Step;
   for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* src = x + m * ldx;
-    uint16_t* dst = xp + m * K;
-    for (int64_t c = 0; c < K64; c += 64) {
-      const __m512i a = _mm512_loadu_si512(src + c), b = _mm512_loadu_si512(src + c + 32);
-      _mm512_storeu_si512(dst + c, _mm512_permutex2var_epi16(a, ie, b));
-      _mm512_storeu_si512(dst + c + 32, _mm512_permutex2var_epi16(a, io, b));
+    for (int64_t b = 0; b < steps; ++b) {
+      const uint16_t* src = x + m * ldx + b * kInt4Step;
+      uint16_t* dst = xp + (m * steps + b) * kInt4Step;
+      const __m512i a0 = _mm512_loadu_si512(src), a1 = _mm512_loadu_si512(src + 32);
+      const __m512i a2 = _mm512_loadu_si512(src + 64), a3 = _mm512_loadu_si512(src + 96);
+      const __m512i even_lo = _mm512_permutex2var_epi16(a0, ie, a1), odd_lo = _mm512_permutex2var_epi16(a0, io, a1);
+      const __m512i even_hi = _mm512_permutex2var_epi16(a2, ie, a3), odd_hi = _mm512_permutex2var_epi16(a2, io, a3);
+      const __m512i cls[4] = {_mm512_permutex2var_epi16(even_lo, ie, even_hi),   // columns 4j
+                              _mm512_permutex2var_epi16(odd_lo, ie, odd_hi),     // 4j + 1
+                              _mm512_permutex2var_epi16(even_lo, io, even_hi),   // 4j + 2
+                              _mm512_permutex2var_epi16(odd_lo, io, odd_hi)};    // 4j + 3
+      __m512 sum = _mm512_setzero_ps();
+      for (int k = 0; k < 4; ++k) {
+        _mm512_storeu_si512(dst + 32 * k, cls[k]);
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)cls[k], ones);
+      }
+      _mm512_storeu_ps(sums + (m * steps + b) * 16, _mm512_mul_ps(sum, _mm512_set1_ps(kInt4Bias)));
     }
-    std::copy(src + K64, src + K, dst + K64);
   }
 }
 
@@ -249,77 +266,74 @@ KT_TARGET_AVX512_BF16 inline void int4_bf16_step32(const uint16_t* x, int64_t ld
   }
 }
 
-// 64 columns c.. of a row against xp (bf16_x_evens_odds' order), into part.
-template <int M>
-KT_TARGET_AVX512_BF16 inline void int4_bf16_step64(const uint16_t* xp, int64_t K, const uint8_t* row, int64_t c,
-                                                   __m512i table, __m512 (&part)[M][2]) {
-  const __m512i b = _mm512_cvtepu8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c / 2)));
-  const __m512bh lo = (__m512bh)_mm512_permutexvar_epi16(b, table);                        // even columns
-  const __m512bh hi = (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(b, 4), table);  // odd columns
-  KT_UNROLL for (int m = 0; m < M; ++m) {
-    part[m][0] = _mm512_dpbf16_ps(part[m][0], lo, (__m512bh)_mm512_loadu_si512(xp + m * K + c));
-    part[m][1] = _mm512_dpbf16_ps(part[m][1], hi, (__m512bh)_mm512_loadu_si512(xp + m * K + c + 32));
-  }
-}
-
-// The scales of a 64-column step's 16 sum lanes: lanes 0-7 hold its first 32 columns, lanes
-// 8-15 its last 32, so groups of 32 give two scales, larger groups one.
+// The scales of a 128-column step's 16 sum lanes (lane i: columns 8i .. 8i+7): four groups of
+// 32, two of 64 or one of 128.
 template <int G>
 KT_TARGET_AVX512_BF16 inline __m512 step_scales(const float* s, int64_t c) {
   if constexpr (G == 32) {
-    return _mm512_insertf32x8(_mm512_set1_ps(s[c / 32]), _mm256_set1_ps(s[c / 32 + 1]), 1);
+    alignas(64) static constexpr int32_t kQuads[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+    return _mm512_permutexvar_ps(_mm512_load_si512(kQuads), _mm512_castps128_ps512(_mm_loadu_ps(s + c / 32)));
+  } else if constexpr (G == 64) {
+    return _mm512_insertf32x8(_mm512_set1_ps(s[c / 64]), _mm256_set1_ps(s[c / 64 + 1]), 1);
   } else {
     return _mm512_set1_ps(s[c / G]);
   }
 }
 
-// A group of 128 is two 64-column steps summed before its scale; smaller groups scale every step.
-template <int G>
-constexpr int64_t kScaleStep = G == 128 ? 128 : 64;
-
-// One scale step (kScaleStep<G> columns from c) of a row into chain i of every x row's total;
-// the line of row_ahead (when not null) at the same bytes prefetched.
+// Step b (columns 128b ..) of a row into chain i of every x row's total; the same bytes of
+// row_ahead (when not null) prefetched.
 template <int M, int C, int G>
-KT_TARGET_AVX512_BF16 inline void int4_bf16_scale_step(const uint16_t* xp, int64_t K, const uint8_t* row,
-                                                       const uint8_t* row_ahead, int64_t c, const float* s,
-                                                       __m512i table, int i, __m512 (&total)[M][C]) {
-  constexpr int64_t S = kScaleStep<G>;
-  if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, (c + S) / 2);
-  __m512 part[M][2];  // even and odd columns: two independent vdpbf16ps chains
-  KT_UNROLL for (int m = 0; m < M; ++m) part[m][0] = part[m][1] = _mm512_setzero_ps();
-  KT_UNROLL for (int64_t t = 0; t < S; t += 64) int4_bf16_step64<M>(xp, K, row, c + t, table, part);
+KT_TARGET_AVX512_BF16 inline void int4_bf16_step128(const uint16_t* xp, const float* sums, int64_t steps,
+                                                    const uint8_t* row, const uint8_t* row_ahead, int64_t b,
+                                                    const float* s, int i, __m512 (&total)[M][C]) {
+  const int64_t c = b * kInt4Step;
+  if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, c / 2 + 64);
+  const __m512i v = _mm512_loadu_si512(row + c / 2);
+  const __m512i nibble = _mm512_set1_epi16(0x000f), bias = _mm512_set1_epi16(0x4300);
+  constexpr int kMaskOr = 0xea;  // (a & b) | c
+  const __m512bh w[4] = {
+      (__m512bh)_mm512_ternarylogic_epi32(v, nibble, bias, kMaskOr),
+      (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias, kMaskOr),
+      (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, kMaskOr),
+      (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), bias)};
   const __m512 sv = step_scales<G>(s, c);
   KT_UNROLL for (int m = 0; m < M; ++m) {
-    total[m][i] = _mm512_fmadd_ps(sv, _mm512_add_ps(part[m][0], part[m][1]), total[m][i]);
+    const uint16_t* xb = xp + (m * steps + b) * kInt4Step;
+    __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w[0], (__m512bh)_mm512_loadu_si512(xb));
+    KT_UNROLL for (int k = 1; k < 4; ++k) part = _mm512_dpbf16_ps(part, w[k], (__m512bh)_mm512_loadu_si512(xb + 32 * k));
+    // part - 136 Σ x: the exact Σ x (q - 8) of each lane but for float32 rounding
+    const __m512 unbiased = _mm512_sub_ps(part, _mm512_loadu_ps(sums + (m * steps + b) * 16));
+    total[m][i] = _mm512_fmadd_ps(sv, unbiased, total[m][i]);
   }
 }
 
 template <int M, int G, bool Bf16Scales>
 KT_TARGET_AVX512_BF16 void gemv_int4_bf16_rows(const uint16_t* x, int64_t ldx, const uint16_t* xp,
-                                               const WeightMatrix& w, float* scale_buffer, float* out) {
+                                               const float* sums, const WeightMatrix& w, float* scale_buffer,
+                                               float* out) {
   constexpr int C = kBf16Chains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G, K64 = K / 64 * 64;
+  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G, steps = K / kInt4Step;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
   alignas(64) uint16_t words[32];
-  for (int i = 0; i < 32; ++i) words[i] = simd::float_to_bf16(float(i % 16 - 8));  // bf16(q - 8), twice
+  for (int i = 0; i < 32; ++i) words[i] = simd::float_to_bf16(float(i % 16 - 8));  // the tail's bf16(q - 8)
   const __m512i table = _mm512_load_si512(words);
   const int64_t ahead = prefetch_ahead_rows(ld, 1);
-  constexpr int64_t S = kScaleStep<G>;
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
     const float* s = row_scales<Bf16Scales>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
-    int64_t c = 0;
-    for (; c + C * S <= K64; c += C * S) {
+    int64_t b = 0;
+    for (; b + C <= steps; b += C) {
       KT_UNROLL for (int i = 0; i < C; ++i) {
-        int4_bf16_scale_step<M, C, G>(xp, K, row, row_ahead, c + i * S, s, table, i, total);
+        int4_bf16_step128<M, C, G>(xp, sums, steps, row, row_ahead, b + i, s, i, total);
       }
     }
-    for (; c < K64; c += S) int4_bf16_scale_step<M, C, G>(xp, K, row, row_ahead, c, s, table, 0, total);
-    for (; c < K; c += 32) {  // K % 64 = 32 (groups of 32 only)
+    for (; b < steps; ++b) int4_bf16_step128<M, C, G>(xp, sums, steps, row, row_ahead, b, s, 0, total);
+    for (int64_t c = steps * kInt4Step; c < K; c += 32) {  // K % 128: 32, 64 or 96 (groups of 32 or 64)
+      if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, c / 2 + 16);
       __m512 part[M];
       KT_UNROLL for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_ps();
       int4_bf16_step32<M>(x, ldx, row, c, table, part);
@@ -335,20 +349,21 @@ KT_TARGET_AVX512_BF16 void gemv_int4_bf16_rows(const uint16_t* x, int64_t ldx, c
 }
 
 template <int M>
-void gemv_int4_bf16_m(const uint16_t* x, int64_t ldx, const uint16_t* xp, const WeightMatrix& w, float* out) {
+void gemv_int4_bf16_m(const uint16_t* x, int64_t ldx, const uint16_t* xp, const float* sums, const WeightMatrix& w,
+                      float* out) {
   AlignedFloats scale_buffer(w.cols / w.group);
   const bool bf16_scales = w.scale.scalar_type() == at::kBFloat16;
   float* sb = scale_buffer.data();
   switch (w.group) {
     case 32:
-      return bf16_scales ? gemv_int4_bf16_rows<M, 32, true>(x, ldx, xp, w, sb, out)
-                         : gemv_int4_bf16_rows<M, 32, false>(x, ldx, xp, w, sb, out);
+      return bf16_scales ? gemv_int4_bf16_rows<M, 32, true>(x, ldx, xp, sums, w, sb, out)
+                         : gemv_int4_bf16_rows<M, 32, false>(x, ldx, xp, sums, w, sb, out);
     case 64:
-      return bf16_scales ? gemv_int4_bf16_rows<M, 64, true>(x, ldx, xp, w, sb, out)
-                         : gemv_int4_bf16_rows<M, 64, false>(x, ldx, xp, w, sb, out);
+      return bf16_scales ? gemv_int4_bf16_rows<M, 64, true>(x, ldx, xp, sums, w, sb, out)
+                         : gemv_int4_bf16_rows<M, 64, false>(x, ldx, xp, sums, w, sb, out);
     default:
-      return bf16_scales ? gemv_int4_bf16_rows<M, 128, true>(x, ldx, xp, w, sb, out)
-                         : gemv_int4_bf16_rows<M, 128, false>(x, ldx, xp, w, sb, out);
+      return bf16_scales ? gemv_int4_bf16_rows<M, 128, true>(x, ldx, xp, sums, w, sb, out)
+                         : gemv_int4_bf16_rows<M, 128, false>(x, ldx, xp, sums, w, sb, out);
   }
 }
 
@@ -356,12 +371,13 @@ void gemv_int4_bf16_m(const uint16_t* x, int64_t ldx, const uint16_t* xp, const 
 
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out) {
   TORCH_INTERNAL_ASSERT(w.format == WeightFormat::kInt4);
-  const int64_t K = w.cols;
-  AlignedFloats xp_buffer((M * K + 1) / 2);
+  const int64_t K = w.cols, steps = K / kInt4Step;
+  AlignedFloats xp_buffer((M * steps * kInt4Step + 1) / 2), sums(M * steps * 16);
   uint16_t* xp = reinterpret_cast<uint16_t*>(xp_buffer.data());
-  bf16_x_evens_odds(x, ldx, M, K, xp);
+  bf16_x_mod4(x, ldx, M, K, xp, sums.data());
   for_row_chunks(M, [&](int64_t m0, auto rows) {
-    gemv_int4_bf16_m<decltype(rows)::value>(x + m0 * ldx, ldx, xp + m0 * K, w, out + m0 * w.rows);
+    gemv_int4_bf16_m<decltype(rows)::value>(x + m0 * ldx, ldx, xp + m0 * steps * kInt4Step,
+                                            sums.data() + m0 * steps * 16, w, out + m0 * w.rows);
   });
 }
 
