@@ -3,6 +3,8 @@ kt_ops.quantization): quantize/dequantize round trips, the dequantization and de
 kernels of every instruction-set path against the reference loop and float64, the op's
 output and gradients against the float64 reference on the dequantized weights for every
 format, dtype, mode and path, bad input, and opcheck."""
+import contextlib
+
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -287,12 +289,31 @@ def test_panel_gemms_match_float64(isa, fmt, group, dtype):
     assert rel_err(nn_, d.double() @ deq + add.double()) < TOLERANCE[dtype]
 
 
+@contextlib.contextmanager
+def amx_enabled(enabled):
+    """The AMX strips of amx_gemm.h on or off (they are on by default where the CPU has AMX)."""
+    torch.ops.kt._set_amx(enabled)
+    try:
+        yield
+    finally:
+        torch.ops.kt._set_amx(True)
+
+
+AMX = torch.ops.kt._amx_supported()
+AMX_SETTINGS = [pytest.param(False, id="onednn"),
+                pytest.param(True, id="amx", marks=[] if AMX else [pytest.mark.skip(reason="this CPU has no AMX-BF16")])]
+
+
 @pytest.mark.parametrize("isa", ALL_ISAS)
-def test_quantized_gemm_route_of_each_path(isa):
-    """bf16 activations on avx512_bf16 take bf16 panels and oneDNN's bf16 GEMMs (float32 panels
-    would run at float32 GEMM speed, 2-3x slower there); everything else float panels."""
-    with kt_ops.use_cpu_isa(isa):
-        assert torch.ops.kt._quant_gemm_path(bf16) == ("bf16_panels_onednn" if isa == "avx512_bf16" else "fp32_panels_mkl")
+@pytest.mark.parametrize("amx", AMX_SETTINGS)
+def test_quantized_gemm_route_of_each_path(isa, amx):
+    """bf16 activations on avx512_bf16 take bf16 weights: AMX strips where the CPU has AMX and
+    they are on, else panels for oneDNN's bf16 GEMMs (float32 panels would run at float32 GEMM
+    speed, 2-3x slower there); everything else float panels."""
+    bf16_route = "bf16_strips_amx" if amx else "bf16_panels_onednn"
+    with kt_ops.use_cpu_isa(isa), amx_enabled(amx):
+        assert torch.ops.kt._amx_available() == amx
+        assert torch.ops.kt._quant_gemm_path(bf16) == (bf16_route if isa == "avx512_bf16" else "fp32_panels_mkl")
         assert torch.ops.kt._quant_gemm_path(f32) == "fp32_panels_mkl"
         assert torch.ops.kt._quant_gemm_path(f64) == "fp64_panels_mkl"
 
@@ -305,18 +326,19 @@ def test_bf16_panels_over_several_panels(isa, fmt, group, cols):
     packed layout take (1500 rows: no multiple of 16), on a [1500, cols] weight: x·wᵀ in two row
     panels of 752 rows (the second partial), d·w + addend in two column panels of 640 or 512
     (fp8/int8's second ending mid-block at column 1100)."""
-    check_bf16_panel_gemms(1500, cols, fmt, group, isa, seed=16)
+    with amx_enabled(False):
+        check_bf16_panel_gemms(1500, cols, fmt, group, isa, seed=16)
 
 
-def check_bf16_panel_gemms(rows, cols, fmt, group, isa, seed):
-    """x·wᵀ, d·w + addend and d·w on a [rows, cols] weight with bf16 activations, each against
-    float64 on the bf16-rounded dequantized weights (the weights a bf16 expert holds): one bf16
-    rounding of each output, within 2^-8 of the exact value elementwise."""
+def check_bf16_panel_gemms(rows, cols, fmt, group, isa, seed, M=37):
+    """x·wᵀ, d·w + addend and d·w on a [rows, cols] weight with bf16 activations (M rows), each
+    against float64 on the bf16-rounded dequantized weights (the weights a bf16 expert holds):
+    one bf16 rounding of each output, within 2^-8 of the exact value elementwise."""
     w = randn(1, rows, cols, seed=seed) * 0.05
     data, scale = quantization.quantize(w, fmt, group)
     deq = quantization.dequantize(data, scale)[0].to(bf16).double()
-    x, d = randn(37, cols, seed=seed + 1, dtype=bf16), randn(37, rows, seed=seed + 2, dtype=bf16)
-    add = randn(37, cols, seed=seed + 3, dtype=bf16)
+    x, d = randn(M, cols, seed=seed + 1, dtype=bf16), randn(M, rows, seed=seed + 2, dtype=bf16)
+    add = randn(M, cols, seed=seed + 3, dtype=bf16)
     with kt_ops.use_cpu_isa(isa):
         nt = torch.ops.kt._quant_mm_nt(x, data[0], scale[0])
         nn_ = torch.ops.kt._quant_mm_nn(d, data[0], scale[0], add)
@@ -378,7 +400,46 @@ def test_packed_panels_over_several_panels(isa, fmt, group):
     with kt_ops.use_cpu_isa(isa):
         assert torch.ops.kt._packed_layout(384, 1024) and torch.ops.kt._packed_layout(320, 1024)
         assert torch.ops.kt._packed_layout(512, 704)
-    check_bf16_panel_gemms(704, 1024, fmt, group, isa, seed=22)
+    with amx_enabled(False):
+        check_bf16_panel_gemms(704, 1024, fmt, group, isa, seed=22)
+
+
+# ---- AMX strips (amx_gemm.h; CPUs with AMX-BF16) ----------------------------------------------
+
+AMX_ONLY = [pytest.param("avx512_bf16", marks=[] if AMX else [pytest.mark.skip(reason="this CPU has no AMX-BF16")])]
+
+
+AMX_STRIP_CASES = [pytest.param(fmt, group, rows, cols, id=f"{name}-{rows}x{cols}")
+                   for fmt, group, name in [("fp8", None, "fp8"), ("int8", None, "int8"), ("int4", 32, "int4-g32"),
+                                            ("int4", 64, "int4-g64"), ("int4", 128, "int4-g128")]
+                   for rows, cols in [(704, 1024), (96, 384), (64, 160)]
+                   if group is None or cols % group == 0]
+
+
+@pytest.mark.parametrize("isa", AMX_ONLY)
+@pytest.mark.parametrize("fmt,group,rows,cols", AMX_STRIP_CASES)
+@pytest.mark.parametrize("M", [1, 16, 17, 33, 64, 100])
+def test_amx_strips_match_float64(isa, fmt, group, rows, cols, M):
+    """x·wᵀ (strips of 32 weight rows) and d·w with and without an addend (chunks of 128 weight
+    columns, or strips of 32 where the columns are no multiple of 128: 160 columns put fp8's
+    block boundary at 128 inside the strips' walk) on AMX tiles, for x row counts that fill one
+    16-row tile, part of one, an odd number of them and several pairs."""
+    with kt_ops.use_cpu_isa(isa), amx_enabled(True):
+        assert torch.ops.kt._quant_gemm_path(bf16) == "bf16_strips_amx"
+        check_bf16_panel_gemms(rows, cols, fmt, group, isa, seed=23, M=M)
+
+
+@pytest.mark.parametrize("isa", AMX_ONLY)
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("amx", AMX_SETTINGS)
+def test_moe_lora_on_amx_strips_and_onednn_panels(isa, fmt, group, amx):
+    """kt.moe's LoRA forward and backward (gate|up x·wᵀ, down's d·w, dx = [dg | du]·[Wg; Wu] on
+    two stacked weights) with bf16 activations on an AMX CPU, through either route: output and
+    every gradient against float64 on the dequantized weights."""
+    kwargs = quantized_inputs(fmt, group, T_shape=(48,), H=256, I=128, E=4, K=2, r=4, dtype=bf16, mode="lora",
+                              seed=24)
+    with kt_ops.use_cpu_isa(isa), amx_enabled(amx):
+        check_against_reference(kwargs, bf16)
 
 
 # ---- kt.moe -----------------------------------------------------------------------------------

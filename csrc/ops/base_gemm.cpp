@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <initializer_list>
 
+#include "ops/amx_gemm.h"
 #include "ops/convert_rows.h"
 #include "ops/dequantize.h"
 #include "ops/dequantize_packed.h"
@@ -176,6 +177,7 @@ at::Tensor packed_mm_nn(const at::Tensor& d_in, std::initializer_list<const Weig
 // x·wᵀ over panels of w's rows (whole rows: each output column in one GEMM).
 at::Tensor native_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
   const int64_t M = x.size(0), N = w.rows, K = w.cols;
+  if (amx_takes_mm_nt(x, w)) return amx_mm_nt(x, w);
   if (const int64_t packed_rows = packed_rows_for(N, K)) return packed_mm_nt(x, w, packed_rows);
   at::Tensor out = at::empty({M, N}, x.options());
   const int64_t nc = even_panels(N, kBf16PanelValues / std::max<int64_t>(K, 1), 16);
@@ -193,6 +195,7 @@ at::Tensor native_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
 // in one GEMM), widths a multiple of 128 (whole fp8 blocks and int4 groups).
 at::Tensor native_mm_nn(const at::Tensor& d, const WeightMatrix& w, const std::optional<at::Tensor>& addend) {
   const int64_t M = d.size(0), N = w.rows, K = w.cols;
+  if (amx_takes_mm_nn(d, {&w})) return amx_mm_nn(d, {&w}, addend);
   if (const int64_t packed_cols = packed_cols_for(N, K)) return packed_mm_nn(d, {&w}, addend, packed_cols);
   at::Tensor out = at::empty({M, K}, d.options());
   const int64_t kc = even_panels(K, kBf16PanelValues / N, kFp8Block);
@@ -247,7 +250,8 @@ const char* base_gemm_path(at::ScalarType dtype) {
 
 const char* quantized_gemm_path(at::ScalarType dtype) {
   if (dtype == at::kDouble) return "fp64_panels_mkl";
-  return bf16_panels_for(dtype) ? "bf16_panels_onednn" : "fp32_panels_mkl";
+  if (!bf16_panels_for(dtype)) return "fp32_panels_mkl";
+  return amx_bf16_available() ? "bf16_strips_amx" : "bf16_panels_onednn";  // AMX: shapes of 32-row strips
 }
 
 at::Tensor stacked_mm_nn(const at::Tensor& d, const WeightMatrix& a, const WeightMatrix& b) {
@@ -256,6 +260,7 @@ at::Tensor stacked_mm_nn(const at::Tensor& d, const WeightMatrix& a, const Weigh
       d.size(1) != N) {
     return {};
   }
+  if (amx_takes_mm_nn(d, {&a, &b})) return amx_mm_nn(d, {&a, &b}, std::nullopt);
   const int64_t kc = packed_cols_for(N, K);
   return kc ? packed_mm_nn(d, {&a, &b}, std::nullopt, kc) : at::Tensor();
 }

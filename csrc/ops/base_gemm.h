@@ -31,7 +31,9 @@ bool native_bf16_gemms();
 const char* base_gemm_path(at::ScalarType dtype);
 
 // How the panel GEMMs on quantized weights run for activations of `dtype` on the active path:
-// "bf16_panels_onednn" (bf16 on avx512_bf16), "fp32_panels_mkl" or "fp64_panels_mkl".
+// "bf16_strips_amx" (bf16 on avx512_bf16 with AMX: amx_gemm.h, for weights whose shapes it
+// covers, the others as below), "bf16_panels_onednn" (bf16 on avx512_bf16), "fp32_panels_mkl"
+// or "fp64_panels_mkl".
 const char* quantized_gemm_path(at::ScalarType dtype);
 
 // x·wᵀ: x [M, K], w [N, K] (rows contiguous) -> [M, N] in x's dtype.

@@ -289,7 +289,8 @@ void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16L
 void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& layout, uint16_t* dst,
                             CpuIsa isa, int64_t in0) {
   TORCH_INTERNAL_ASSERT(w.quantized() && in0 >= 0 && in0 % 2 == 0 && w.rows % 2 == 0 && in0 + w.rows <= layout.in &&
-                        k0 >= 0 && k0 + layout.out <= w.cols && k0 % kFp8Block == 0 && layout.out % 32 == 0 &&
+                        k0 >= 0 && k0 + layout.out <= w.cols && k0 % 32 == 0 && (k0 % kFp8Block == 0 || layout.out == 32) &&
+                        layout.out % 32 == 0 &&
                         layout.out_block % 16 == 0 && layout.in_block % 2 == 0);
   if (isa != CpuIsa::kAvx512Bf16) return cols_reference(w, k0, layout, in0, dst);
   on_format<Cols>(w.format, w, k0, layout, in0, dst);

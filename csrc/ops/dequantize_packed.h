@@ -23,7 +23,8 @@ void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16L
 // Columns [k0, k0 + layout.out) of w, all its rows, transposed: the linear weight
 // [layout.out, layout.in], the operand of d·w, w's rows as its input columns [in0, in0 +
 // w.rows) (in0 = 0, layout.in = w.rows for w alone; in0 > 0 for a second weight stacked below
-// a first, d·[a; b] in one GEMM). k0 is a multiple of 128; in0 and w.rows are even.
+// a first, d·[a; b] in one GEMM). k0 is a multiple of 128, or of 32 for a strip of 32
+// columns (within one fp8 block and int4 group); in0 and w.rows are even.
 void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& layout, uint16_t* dst,
                             CpuIsa isa, int64_t in0 = 0);
 

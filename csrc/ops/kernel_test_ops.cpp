@@ -6,6 +6,7 @@
 #include "ops/convert_rows.h"
 #include "ops/cpu_isa.h"
 #include "ops/dequantize.h"
+#include "ops/amx_gemm.h"
 #include "ops/dequantize_packed.h"
 #include "ops/expert_weights.h"
 #include "ops/quant_gemv.h"
@@ -170,6 +171,9 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_base_gemm_path", &base_gemm_path_op);
   m.impl("_quant_gemm_path", &quant_gemm_path_op);
   m.impl("_set_weight_packing", &set_weight_packing);
+  m.impl("_set_amx", &set_amx_enabled);
+  m.impl("_amx_available", &amx_bf16_available);
+  m.impl("_amx_supported", &amx_bf16_supported);
   m.impl("_weight_packing_enabled", &weight_packing_enabled);
   m.impl("_packed_weights_info", &packed_weights_info);
   m.impl("_packed_layout", &packed_layout_op);

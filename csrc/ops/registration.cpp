@@ -92,6 +92,9 @@ TORCH_LIBRARY(kt, m) {
   m.def("_base_gemm_path(ScalarType dtype) -> str");
   // Pre-packed expert weights (csrc/ops/packed_weights.h): switch, and {sets, bytes} cached.
   m.def("_set_weight_packing(bool enabled) -> ()");
+  m.def("_set_amx(bool enabled) -> ()");
+  m.def("_amx_available() -> bool");
+  m.def("_amx_supported() -> bool");
   m.def("_weight_packing_enabled() -> bool");
   m.def("_packed_weights_info() -> int[]");
   m.def("_release_packed_weights() -> ()");
