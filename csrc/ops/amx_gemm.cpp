@@ -6,8 +6,10 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cctype>
 #include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "ops/cpu_isa.h"
@@ -41,10 +43,21 @@ bool probe_amx_bf16() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
+// A cap on oneDNN's instruction set that leaves out AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
+// emulates a Zen 4 on an AMX Xeon): kt_ops then leaves AMX out too, as such a CPU would.
+bool onednn_cap_excludes_amx() {
+  const char* v = std::getenv("ONEDNN_MAX_CPU_ISA");
+  if (v == nullptr) v = std::getenv("DNNL_MAX_CPU_ISA");
+  if (v == nullptr) return false;
+  std::string s(v);
+  for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+  return s != "ALL" && s.find("AMX") == std::string::npos;
+}
+
 std::atomic<bool>& amx_flag() {
   static std::atomic<bool> flag([] {
     const char* env = std::getenv("KT_OPS_AMX");
-    return !(env != nullptr && std::string(env) == "0");
+    return !(env != nullptr && std::string(env) == "0") && !onednn_cap_excludes_amx();
   }());
   return flag;
 }

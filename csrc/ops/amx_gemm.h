@@ -21,9 +21,10 @@
 //
 // Availability: the CPU's AMX-TILE and AMX-BF16 flags, the OS's tile state (XCR0) and Linux's
 // permission for it (arch_prctl ARCH_REQ_XCOMP_PERM, asked once per process). Off with
-// KT_OPS_AMX=0 or kt::set_amx_enabled(false) (tests compare both routes on one machine);
-// only ever taken on the avx512_bf16 path, so KT_OPS_CPU_ISA=avx512 / avx2 / portable leave
-// it out as a CPU without AMX would.
+// KT_OPS_AMX=0, with a cap on oneDNN that leaves AMX out (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
+// and below, as when emulating a CPU without AMX), or kt::set_amx_enabled(false) (tests compare
+// both routes on one machine); only ever taken on the avx512_bf16 path, so KT_OPS_CPU_ISA=avx512
+// / avx2 / portable leave it out as a CPU without AMX would.
 #pragma once
 
 #include <ATen/ATen.h>
