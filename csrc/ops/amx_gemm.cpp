@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <atomic>
-#include <cctype>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -15,6 +14,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/dequantize_packed.h"
 #include "ops/packed_layout.h"
+#include "ops/simd.h"
 
 namespace kt {
 namespace {
@@ -43,17 +43,7 @@ bool probe_amx_bf16() {
   return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
 }
 
-// A cap on oneDNN's instruction set that leaves out AMX (ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16
-// emulates a Zen 4 on an AMX Xeon): kt_ops then leaves AMX out too, as such a CPU would.
-bool onednn_cap_excludes_amx() {
-  const char* v = std::getenv("ONEDNN_MAX_CPU_ISA");
-  if (v == nullptr) v = std::getenv("DNNL_MAX_CPU_ISA");
-  if (v == nullptr) return false;
-  std::string s(v);
-  for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-  return s != "ALL" && s.find("AMX") == std::string::npos;
-}
-
+// On unless KT_OPS_AMX=0 or oneDNN's cap leaves AMX out (cpu_isa.h); set_amx_enabled changes it.
 std::atomic<bool>& amx_flag() {
   static std::atomic<bool> flag([] {
     const char* env = std::getenv("KT_OPS_AMX");
@@ -118,9 +108,9 @@ KT_TARGET_AMX void tile_rows(const uint16_t* x, int64_t ldx, int64_t M, int64_t 
 PackedBf16Layout chunk_layout(int64_t chunk, int64_t in) { return PackedBf16Layout{chunk, in, 16, in}; }
 
 // Outputs dequantized per fill: x·wᵀ fills one strip (whole weight rows); d·w fills 128 columns
-// (an fp8 block) of every row at once, since its kernel walks the rows and each row's segment
-// costs a setup.
-constexpr int64_t kChunkNt = 32, kChunkNn = 128;
+// (an fp8 block) of every row at once where the columns allow, since its kernel walks the rows
+// and each row's segment costs a setup.
+constexpr int64_t kChunkNn = 128;
 
 // rows (at most 32) of out, 32 outputs each, = bf16(sums + addend): sums [32][32] float32 from
 // multiply_strip, the addend (float32 or bf16, when given) with row stride ld_add.
@@ -133,10 +123,8 @@ KT_TARGET_AMX void store_strip(const float* sums, int64_t rows, at::BFloat16* ou
       hi = _mm512_add_ps(hi, _mm512_loadu_ps(add_f32 + r * ld_add + 16));
     } else if (add_bf16 != nullptr) {
       const uint16_t* a = reinterpret_cast<const uint16_t*>(add_bf16 + r * ld_add);
-      lo = _mm512_add_ps(lo, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a))), 16)));
-      hi = _mm512_add_ps(hi, _mm512_castsi512_ps(_mm512_slli_epi32(
-                                 _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(a + 16))), 16)));
+      lo = _mm512_add_ps(lo, simd::load16_bf16(a));
+      hi = _mm512_add_ps(hi, simd::load16_bf16(a + 16));
     }
     _mm512_storeu_si512(reinterpret_cast<void*>(out + r * ldo), (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
   }
@@ -240,17 +228,23 @@ bool amx_bf16_available() { return amx_flag().load() && amx_bf16_supported(); }
 
 void set_amx_enabled(bool enabled) { amx_flag().store(enabled); }
 
+namespace {
+
+// The activations the AMX GEMMs take on the active path: bf16 rows, contiguous within each.
+bool amx_takes_activations(const at::Tensor& a) {
+  return a.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512Bf16 && amx_bf16_available() &&
+         a.dim() == 2 && a.size(0) > 0 && a.stride(1) == 1;
+}
+
+}  // namespace
+
 bool amx_takes_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
-  return w.quantized() && x.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512Bf16 &&
-         amx_bf16_available() && x.dim() == 2 && x.size(0) > 0 && x.size(1) == w.cols && x.stride(1) == 1 &&
-         w.rows % kStrip == 0 && w.cols % kStepCols == 0 && w.cols > 0;
+  return w.quantized() && amx_takes_activations(x) && x.size(1) == w.cols && w.rows % kStrip == 0 &&
+         w.cols % kStepCols == 0 && w.cols > 0;
 }
 
 bool amx_takes_mm_nn(const at::Tensor& d, std::initializer_list<const WeightMatrix*> stacked) {
-  if (!(d.scalar_type() == at::kBFloat16 && active_cpu_isa() == CpuIsa::kAvx512Bf16 && amx_bf16_available() &&
-        d.dim() == 2 && d.size(0) > 0 && d.stride(1) == 1)) {
-    return false;
-  }
+  if (!amx_takes_activations(d)) return false;
   const int64_t K = (*stacked.begin())->cols;
   int64_t rows = 0;
   for (const WeightMatrix* w : stacked) {
@@ -262,9 +256,8 @@ bool amx_takes_mm_nn(const at::Tensor& d, std::initializer_list<const WeightMatr
 
 at::Tensor amx_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
   TORCH_INTERNAL_ASSERT(amx_takes_mm_nt(x, w));
-  const int64_t chunk = w.rows % kChunkNt == 0 ? kChunkNt : kStrip;
-  const PackedBf16Layout l = chunk_layout(chunk, w.cols);
-  return amx_gemm(x, w.rows, chunk, std::nullopt, [&](int64_t o0, uint16_t* strip) {
+  const PackedBf16Layout l = chunk_layout(kStrip, w.cols);
+  return amx_gemm(x, w.rows, kStrip, std::nullopt, [&](int64_t o0, uint16_t* strip) {
     dequantize_packed_rows(w, o0, l, strip, CpuIsa::kAvx512Bf16);
   });
 }

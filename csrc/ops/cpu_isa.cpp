@@ -10,24 +10,36 @@
 namespace kt {
 namespace {
 
-// The avx512_bf16 path runs oneDNN's native bf16 GEMMs and packs weights for them; oneDNN
-// honours a cap on its own instruction set (ONEDNN_MAX_CPU_ISA, formerly DNNL_MAX_CPU_ISA),
-// and below AVX512_CORE_BF16 its bf16 GEMMs fall back to slow code and its weight reorder
-// refuses bf16 ("needs the cpu support avx_ne_convert or avx512bw, ..."): seen on a Zen 4 under
-// the AVX2 emulation recipe. Then the path is unavailable, as on a CPU without AVX512-BF16.
-const char* onednn_cap_below_bf16() {
+// oneDNN honours a cap on its own instruction set: ONEDNN_MAX_CPU_ISA (formerly
+// DNNL_MAX_CPU_ISA), as the user wrote it, or nullptr when unset.
+const char* onednn_cap() {
   static const char* const cap = [] {
     const char* v = std::getenv("ONEDNN_MAX_CPU_ISA");
-    if (v == nullptr) v = std::getenv("DNNL_MAX_CPU_ISA");
-    if (v == nullptr) return static_cast<const char*>(nullptr);
-    std::string s(v);
-    for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
-    for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}) {
-      if (s == below) return v;
-    }
-    return static_cast<const char*>(nullptr);
+    return v != nullptr ? v : std::getenv("DNNL_MAX_CPU_ISA");
   }();
   return cap;
+}
+
+// That cap upper-cased ("" when unset), as oneDNN compares it.
+const std::string& onednn_cap_upper() {
+  static const std::string upper = [] {
+    std::string s(onednn_cap() != nullptr ? onednn_cap() : "");
+    for (char& c : s) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    return s;
+  }();
+  return upper;
+}
+
+// The avx512_bf16 path runs oneDNN's native bf16 GEMMs and packs weights for them; below
+// AVX512_CORE_BF16 oneDNN's bf16 GEMMs fall back to slow code and its weight reorder refuses
+// bf16 ("needs the cpu support avx_ne_convert or avx512bw, ..."): seen on a Zen 4 under the AVX2
+// emulation recipe. Then the path is unavailable, as on a CPU without AVX512-BF16. The cap as
+// written, or nullptr when it leaves bf16 in.
+const char* onednn_cap_below_bf16() {
+  for (const char* below : {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI"}) {
+    if (onednn_cap_upper() == below) return onednn_cap();
+  }
+  return nullptr;
 }
 
 bool cpu_supports(CpuIsa isa) {
@@ -65,6 +77,11 @@ std::atomic<int>& active() {
 }
 
 }  // namespace
+
+bool onednn_cap_excludes_amx() {
+  const std::string& cap = onednn_cap_upper();
+  return !cap.empty() && cap != "ALL" && cap.find("AMX") == std::string::npos;
+}
 
 CpuIsa best_cpu_isa() {
   for (CpuIsa isa : {CpuIsa::kAvx512Bf16, CpuIsa::kAvx512, CpuIsa::kAvx2}) {

@@ -28,6 +28,11 @@ CpuIsa parse_cpu_isa(const std::string& name, const char* what);
 
 void set_active_cpu_isa(CpuIsa isa);
 
+// True when oneDNN's cap on its instruction set (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) leaves
+// out AMX (AVX512_CORE_BF16 and below: emulating a CPU without AMX on one that has it), so that
+// kt_ops leaves its AMX kernels out too (amx_gemm.h).
+bool onednn_cap_excludes_amx();
+
 // Functions compiled for one path. AVX-512 implies AVX2 and FMA on every CPU that has it.
 #define KT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define KT_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
