@@ -64,13 +64,27 @@ struct QuantView {
 
   const uint8_t* row(int64_t r) const { return data + r * row_stride; }
 
+  // The index of w[r, c]'s scale in format F.
+  template <WeightFormat F>
+  int64_t scale_index(int64_t r, int64_t c) const {
+    return F == WeightFormat::kFp8    ? (r / kFp8Block) * scales_per_row + c / kFp8Block
+           : F == WeightFormat::kInt8 ? r
+                                      : r * scales_per_row + (c >> group_shift);
+  }
+
   // The scale of w[r, c] in format F.
   template <WeightFormat F>
   float scale(int64_t r, int64_t c) const {
-    const int64_t i = F == WeightFormat::kFp8    ? (r / kFp8Block) * scales_per_row + c / kFp8Block
-                      : F == WeightFormat::kInt8 ? r
-                                                 : r * scales_per_row + (c >> group_shift);
+    const int64_t i = scale_index<F>(r, c);
     return scale_f32 != nullptr ? scale_f32[i] : simd::bf16_to_float(scale_bf16[i]);
+  }
+
+  // Where w[r, c]'s scale lies (for prefetching).
+  template <WeightFormat F>
+  const char* scale_address(int64_t r, int64_t c) const {
+    const int64_t i = scale_index<F>(r, c);
+    return scale_f32 != nullptr ? reinterpret_cast<const char*>(scale_f32 + i)
+                                : reinterpret_cast<const char*>(scale_bf16 + i);
   }
 };
 
@@ -152,13 +166,53 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bf16(const uint8_t* row, int64_t c
   } else {
     const __m512 products = _mm512_mul_ps(
         _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_ps(scale));
-    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(products, products);
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2));
-    const __m128i mask = _mm_set1_epi8(0x0f);
-    const __m128i l4 = _mm_and_si128(b, mask), h4 = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-    const __m256i nibbles = _mm256_set_m128i(_mm_unpackhi_epi8(l4, h4), _mm_unpacklo_epi8(l4, h4));  // in column order
-    return _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(nibbles), table);
+    const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(products, products);  // entries 16-31 = 0-15
+    // vpermw reads an index's low 5 bits only, and the table repeats after 16 entries, so the
+    // nibbles need no masking: byte j widened to dword j, OR-ed with itself shifted by 12, is
+    // word 2j = byte j (low nibble, then bits that are ignored) and word 2j + 1 = its high
+    // nibble. 3 instructions where unpacking the nibbles into bytes took 8.
+    const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
+    return _mm512_permutexvar_epi16(_mm512_or_si512(d, _mm512_slli_epi32(d, 12)), table);
   }
+}
+
+// ---- fp8 through a table of one scale's 128 magnitudes ---------------------------------------
+//
+// The packed kernels decode many tiles under one fp8 block scale, so they look values up in the
+// bf16 of the 128 magnitudes times the scale (decode32_bytes_bf16's own results, so the bits are
+// the same) and flip the sign bit for negative codes (-(v·s) rounds as v·s does). Per 32 values:
+// a widening, two 64-entry vpermt2w, a test and a blend, and the sign, where converting through
+// fp16 and float32 took about 15 instructions.
+constexpr int64_t kFp8TableEntries = 128;
+
+// table[0 .. 127] = the bf16 of magnitude m (code m) times `scale`.
+KT_TARGET_AVX512_BF16 inline void fill_fp8_table(float scale, uint16_t* table) {
+  const __m512 s = _mm512_set1_ps(decoder_scale<WeightFormat::kFp8>(scale));
+  alignas(32) uint8_t codes[32];
+  for (int64_t m0 = 0; m0 < kFp8TableEntries; m0 += 32) {
+    for (int j = 0; j < 32; ++j) codes[j] = static_cast<uint8_t>(m0 + j);
+    _mm512_storeu_si512(table + m0,
+                        decode32_bytes_bf16<WeightFormat::kFp8>(_mm256_load_si256(reinterpret_cast<const __m256i*>(codes)), s, s));
+  }
+}
+
+struct Fp8Table {
+  __m512i m0, m32, m64, m96;  // magnitudes 0-31, 32-63, 64-95, 96-127
+};
+
+KT_TARGET_AVX512 inline Fp8Table load_fp8_table(const uint16_t* table) {
+  return {_mm512_loadu_si512(table), _mm512_loadu_si512(table + 32), _mm512_loadu_si512(table + 64),
+          _mm512_loadu_si512(table + 96)};
+}
+
+// 32 fp8 bytes -> their 32 bf16 values in the table's scale: decode32_bytes_bf16's bits.
+KT_TARGET_AVX512 inline __m512i decode32_fp8_table(__m256i bytes, const Fp8Table& t) {
+  const __m512i code = _mm512_cvtepu8_epi16(bytes);
+  const __m512i low = _mm512_permutex2var_epi16(t.m0, code, t.m32);   // index bits 0-5
+  const __m512i high = _mm512_permutex2var_epi16(t.m64, code, t.m96);
+  const __m512i v = _mm512_mask_blend_epi16(_mm512_test_epi16_mask(code, _mm512_set1_epi16(0x40)), low, high);
+  // v ^ ((code << 8) & 0x8000): the code's sign bit onto the value's
+  return _mm512_ternarylogic_epi32(v, _mm512_slli_epi16(code, 8), _mm512_set1_epi16(int16_t(0x8000)), 0x78);
 }
 
 }  // namespace dequant

@@ -33,9 +33,12 @@ void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l
 
 // ---- AVX512-BF16 ------------------------------------------------------------------------------
 
-// Prefetch distances: columns ahead in a row (rows kernel), rows ahead (cols kernel).
+// Prefetch distances: columns ahead in a row (rows kernel), rows ahead (cols kernel). 16 rows
+// ahead read the weights from memory at 11-15 G weights/s where 4 had read them at 7-9 (one
+// thread, 256-column panels of [1536, 2048], AMD Zen 5); 8 and 32 gave less, and the rows
+// kernel's distance and T1 hints made no difference there.
 constexpr int64_t kPrefetchColumns = 256;
-constexpr int64_t kPrefetchRows = 4;
+constexpr int64_t kPrefetchRows = 16;
 
 // Bytes of c columns of a row.
 template <WeightFormat F>
@@ -167,6 +170,24 @@ KT_TARGET_AVX512 inline void pair_lane_scales(const QuantView& q, int64_t r, __m
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), s);
 }
 
+// 32 bytes already in a register: fp8 through its scale's table, int8 by its lane scales.
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes(__m256i bytes, const dequant::Fp8Table& table, __m512 s_lo,
+                                                    __m512 s_hi) {
+  if constexpr (F == WeightFormat::kFp8) return dequant::decode32_fp8_table(bytes, table);
+  return dequant::decode32_bytes_bf16<F>(bytes, s_lo, s_hi);
+}
+
+// Columns c .. c+31 of a row: fp8 through its scale's table, int8 and int4 by `scale`.
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 inline __m512i decode32(const uint8_t* row, int64_t c, float scale,
+                                              const dequant::Fp8Table& table) {
+  if constexpr (F == WeightFormat::kFp8) {
+    return dequant::decode32_fp8_table(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)), table);
+  }
+  return decode32_bf16<F>(row, c, scale);
+}
+
 // fp8 / int8 tiles of 16 rows by 32 columns, rearranged as bytes before they are decoded: the
 // 32 bytes of rows j and j + 8 in one register (j < 8), an 8 x 8 transpose of column pairs in
 // every lane, a lane shuffle, and each half of a register is then column pair p of the 16 rows,
@@ -182,13 +203,25 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
   const QuantView q(w);
   const OutPart out_part(l);
   const InPart in_part(l);
+  // fp8: the value tables of the scales of the current band of 128 rows, one per block
+  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? (l.in + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries : 0);
+  int64_t band = -1;
   for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
     const int64_t r0 = n0 + o0;
     __m512 s_lo, s_hi;
     if constexpr (F == WeightFormat::kInt8) pair_lane_scales(q, r0, s_lo, s_hi);
+    if constexpr (F == WeightFormat::kFp8) {
+      if (r0 / kFp8Block != band) {
+        band = r0 / kFp8Block;
+        for (int64_t b = 0; b * kFp8Block < l.in; ++b) {
+          dequant::fill_fp8_table(q.scale<F>(r0, b * kFp8Block), tables.data() + b * dequant::kFp8TableEntries);
+        }
+      }
+    }
     for (int64_t i0 = 0; i0 < l.in; i0 += 32) {
+      dequant::Fp8Table table{};
       if constexpr (F == WeightFormat::kFp8) {
-        s_lo = s_hi = _mm512_set1_ps(dequant::decoder_scale<F>(q.scale<F>(r0, i0)));
+        table = dequant::load_fp8_table(tables.data() + i0 / kFp8Block * dequant::kFp8TableEntries);
       }
       prefetch_tile_ahead<F>(q, w.rows, r0, i0, l.in);
       __m512i v[8];
@@ -202,10 +235,9 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
       uint16_t* tile = dst + out_part(o0) + in_part(i0);  // pair p of the tile: out_block pairs further on
       for (int k = 0; k < 8; ++k) {
         const __m512i z = _mm512_shuffle_i64x2(v[k], v[k], 0xd8);  // lanes 0, 2, 1, 3
-        _mm512_storeu_si512(tile + k * l.out_block * 2,
-                            dequant::decode32_bytes_bf16<F>(_mm512_castsi512_si256(z), s_lo, s_hi));
+        _mm512_storeu_si512(tile + k * l.out_block * 2, decode32_bytes<F>(_mm512_castsi512_si256(z), table, s_lo, s_hi));
         _mm512_storeu_si512(tile + (8 + k) * l.out_block * 2,
-                            dequant::decode32_bytes_bf16<F>(_mm512_extracti64x4_epi64(z, 1), s_lo, s_hi));
+                            decode32_bytes<F>(_mm512_extracti64x4_epi64(z, 1), table, s_lo, s_hi));
       }
     }
   }
@@ -227,6 +259,8 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
   const int64_t run = F == WeightFormat::kFp8 ? kFp8Block : F == WeightFormat::kInt8 ? l.out : w.group;
   const int64_t segment_bytes = column_bytes<F>(l.out);
   const OutPart out_part(l);
+  // fp8: the value tables of the current band of 128 rows' blocks in [k0, k1)
+  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? (l.out + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries : 0);
   for (int64_t n = 0; n < w.rows; n += 2) {
     uint16_t* pair_dst = dst + l.offset(0, in0 + n);  // + out_part(o): pair (n, n + 1) of output o
     const uint8_t* a = q.row(n);
@@ -237,11 +271,26 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(next + q.row_stride + off), _MM_HINT_T0);
       }
+      if constexpr (F == WeightFormat::kInt4) {  // a row's scales of the segment: one line at most, mostly
+        _mm_prefetch(q.scale_address<F>(n + kPrefetchRows, k0), _MM_HINT_T0);
+        _mm_prefetch(q.scale_address<F>(n + kPrefetchRows + 1, k0), _MM_HINT_T0);
+      }
+    }
+    if constexpr (F == WeightFormat::kFp8) {  // rows n and n + 1 share their block scales
+      if (n % kFp8Block == 0) {
+        for (int64_t c0 = k0; c0 < k1; c0 += run) {
+          dequant::fill_fp8_table(q.scale<F>(n, c0), tables.data() + (c0 - k0) / run * dequant::kFp8TableEntries);
+        }
+      }
     }
     for (int64_t c0 = k0; c0 < k1; c0 += run) {
       const float sa = q.scale<F>(n, c0), sb = q.scale<F>(n + 1, c0);
+      dequant::Fp8Table table{};
+      if constexpr (F == WeightFormat::kFp8) {
+        table = dequant::load_fp8_table(tables.data() + (c0 - k0) / run * dequant::kFp8TableEntries);
+      }
       for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {
-        const __m512i va = decode32_bf16<F>(a, c, sa), vb = decode32_bf16<F>(b, c, sb);
+        const __m512i va = decode32<F>(a, c, sa, table), vb = decode32<F>(b, c, sb, table);
         _mm512_storeu_si512(pair_dst + out_part(c - k0), _mm512_permutex2var_epi16(va, first, vb));
         _mm512_storeu_si512(pair_dst + out_part(c - k0 + 16), _mm512_permutex2var_epi16(va, second, vb));
       }
