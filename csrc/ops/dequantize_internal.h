@@ -191,8 +191,8 @@ KT_TARGET_AVX512_BF16 inline void fill_fp8_table(float scale, uint16_t* table) {
   alignas(32) uint8_t codes[32];
   for (int64_t m0 = 0; m0 < kFp8TableEntries; m0 += 32) {
     for (int j = 0; j < 32; ++j) codes[j] = static_cast<uint8_t>(m0 + j);
-    _mm512_storeu_si512(table + m0,
-                        decode32_bytes_bf16<WeightFormat::kFp8>(_mm256_load_si256(reinterpret_cast<const __m256i*>(codes)), s, s));
+    const __m256i bytes = _mm256_load_si256(reinterpret_cast<const __m256i*>(codes));
+    _mm512_storeu_si512(table + m0, decode32_bytes_bf16<WeightFormat::kFp8>(bytes, s, s));
   }
 }
 

@@ -170,6 +170,11 @@ KT_TARGET_AVX512 inline void pair_lane_scales(const QuantView& q, int64_t r, __m
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), s);
 }
 
+// The values of the fp8 tables of `columns` columns' blocks.
+constexpr int64_t fp8_table_values(int64_t columns) {
+  return (columns + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries;
+}
+
 // 32 bytes already in a register: fp8 through its scale's table, int8 by its lane scales.
 template <WeightFormat F>
 KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes(__m256i bytes, const dequant::Fp8Table& table, __m512 s_lo,
@@ -204,7 +209,7 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
   const OutPart out_part(l);
   const InPart in_part(l);
   // fp8: the value tables of the scales of the current band of 128 rows, one per block
-  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? (l.in + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries : 0);
+  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? fp8_table_values(l.in) : 0);
   int64_t band = -1;
   for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
     const int64_t r0 = n0 + o0;
@@ -235,7 +240,8 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
       uint16_t* tile = dst + out_part(o0) + in_part(i0);  // pair p of the tile: out_block pairs further on
       for (int k = 0; k < 8; ++k) {
         const __m512i z = _mm512_shuffle_i64x2(v[k], v[k], 0xd8);  // lanes 0, 2, 1, 3
-        _mm512_storeu_si512(tile + k * l.out_block * 2, decode32_bytes<F>(_mm512_castsi512_si256(z), table, s_lo, s_hi));
+        _mm512_storeu_si512(tile + k * l.out_block * 2,
+                            decode32_bytes<F>(_mm512_castsi512_si256(z), table, s_lo, s_hi));
         _mm512_storeu_si512(tile + (8 + k) * l.out_block * 2,
                             decode32_bytes<F>(_mm512_extracti64x4_epi64(z, 1), table, s_lo, s_hi));
       }
@@ -260,7 +266,7 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
   const int64_t segment_bytes = column_bytes<F>(l.out);
   const OutPart out_part(l);
   // fp8: the value tables of the current band of 128 rows' blocks in [k0, k1)
-  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? (l.out + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries : 0);
+  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? fp8_table_values(l.out) : 0);
   for (int64_t n = 0; n < w.rows; n += 2) {
     uint16_t* pair_dst = dst + l.offset(0, in0 + n);  // + out_part(o): pair (n, n + 1) of output o
     const uint8_t* a = q.row(n);
