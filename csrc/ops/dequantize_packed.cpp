@@ -170,10 +170,33 @@ KT_TARGET_AVX512 inline void pair_lane_scales(const QuantView& q, int64_t r, __m
   hi = _mm512_permutexvar_ps(_mm512_add_epi32(idx, _mm512_set1_epi32(8)), s);
 }
 
-// The values of the fp8 tables of `columns` columns' blocks.
-constexpr int64_t fp8_table_values(int64_t columns) {
-  return (columns + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries;
-}
+// fp8: the value tables (dequant::fill_fp8_table) of one band of 128 rows, one per block of the
+// columns [begin, end) a kernel decodes, made again when a row of another band comes.
+class Fp8BandTables {
+ public:
+  Fp8BandTables(int64_t begin, int64_t end)
+      : begin_(begin), values_((end - begin + kFp8Block - 1) / kFp8Block * dequant::kFp8TableEntries) {}
+
+  // Makes the tables of `row`'s band unless they are the current ones.
+  KT_TARGET_AVX512_BF16 void for_row(const QuantView& q, int64_t row) {
+    if (row / kFp8Block == band_) return;
+    band_ = row / kFp8Block;
+    for (size_t t = 0; t < values_.size(); t += dequant::kFp8TableEntries) {
+      const int64_t c = begin_ + int64_t(t / dequant::kFp8TableEntries) * kFp8Block;
+      dequant::fill_fp8_table(q.scale<WeightFormat::kFp8>(row, c), values_.data() + t);
+    }
+  }
+
+  // The table of column c's block.
+  KT_TARGET_AVX512 dequant::Fp8Table at(int64_t c) const {
+    return dequant::load_fp8_table(values_.data() + (c - begin_) / kFp8Block * dequant::kFp8TableEntries);
+  }
+
+ private:
+  int64_t begin_;
+  int64_t band_ = -1;
+  std::vector<uint16_t> values_;
+};
 
 // 32 bytes already in a register: fp8 through its scale's table, int8 by its lane scales.
 template <WeightFormat F>
@@ -208,26 +231,15 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
   const QuantView q(w);
   const OutPart out_part(l);
   const InPart in_part(l);
-  // fp8: the value tables of the scales of the current band of 128 rows, one per block
-  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? fp8_table_values(l.in) : 0);
-  int64_t band = -1;
+  Fp8BandTables tables(0, F == WeightFormat::kFp8 ? l.in : 0);
   for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
     const int64_t r0 = n0 + o0;
     __m512 s_lo, s_hi;
     if constexpr (F == WeightFormat::kInt8) pair_lane_scales(q, r0, s_lo, s_hi);
-    if constexpr (F == WeightFormat::kFp8) {
-      if (r0 / kFp8Block != band) {
-        band = r0 / kFp8Block;
-        for (int64_t b = 0; b * kFp8Block < l.in; ++b) {
-          dequant::fill_fp8_table(q.scale<F>(r0, b * kFp8Block), tables.data() + b * dequant::kFp8TableEntries);
-        }
-      }
-    }
+    if constexpr (F == WeightFormat::kFp8) tables.for_row(q, r0);
     for (int64_t i0 = 0; i0 < l.in; i0 += 32) {
       dequant::Fp8Table table{};
-      if constexpr (F == WeightFormat::kFp8) {
-        table = dequant::load_fp8_table(tables.data() + i0 / kFp8Block * dequant::kFp8TableEntries);
-      }
+      if constexpr (F == WeightFormat::kFp8) table = tables.at(i0);
       prefetch_tile_ahead<F>(q, w.rows, r0, i0, l.in);
       __m512i v[8];
       for (int j = 0; j < 8; ++j) {
@@ -265,8 +277,7 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
   const int64_t run = F == WeightFormat::kFp8 ? kFp8Block : F == WeightFormat::kInt8 ? l.out : w.group;
   const int64_t segment_bytes = column_bytes<F>(l.out);
   const OutPart out_part(l);
-  // fp8: the value tables of the current band of 128 rows' blocks in [k0, k1)
-  std::vector<uint16_t> tables(F == WeightFormat::kFp8 ? fp8_table_values(l.out) : 0);
+  Fp8BandTables tables(k0, F == WeightFormat::kFp8 ? k1 : k0);  // rows n and n + 1 share their band
   for (int64_t n = 0; n < w.rows; n += 2) {
     uint16_t* pair_dst = dst + l.offset(0, in0 + n);  // + out_part(o): pair (n, n + 1) of output o
     const uint8_t* a = q.row(n);
@@ -282,19 +293,11 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
         _mm_prefetch(q.scale_address<F>(n + kPrefetchRows + 1, k0), _MM_HINT_T0);
       }
     }
-    if constexpr (F == WeightFormat::kFp8) {  // rows n and n + 1 share their block scales
-      if (n % kFp8Block == 0) {
-        for (int64_t c0 = k0; c0 < k1; c0 += run) {
-          dequant::fill_fp8_table(q.scale<F>(n, c0), tables.data() + (c0 - k0) / run * dequant::kFp8TableEntries);
-        }
-      }
-    }
+    if constexpr (F == WeightFormat::kFp8) tables.for_row(q, n);
     for (int64_t c0 = k0; c0 < k1; c0 += run) {
       const float sa = q.scale<F>(n, c0), sb = q.scale<F>(n + 1, c0);
       dequant::Fp8Table table{};
-      if constexpr (F == WeightFormat::kFp8) {
-        table = dequant::load_fp8_table(tables.data() + (c0 - k0) / run * dequant::kFp8TableEntries);
-      }
+      if constexpr (F == WeightFormat::kFp8) table = tables.at(c0);
       for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {
         const __m512i va = decode32<F>(a, c, sa, table), vb = decode32<F>(b, c, sb, table);
         _mm512_storeu_si512(pair_dst + out_part(c - k0), _mm512_permutex2var_epi16(va, first, vb));
