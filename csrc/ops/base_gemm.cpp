@@ -102,7 +102,7 @@ int64_t even_panels(int64_t total, int64_t most, int64_t unit) {
 
 // Panels dequantized into oneDNN's packed layout (packed_layout.h) hold 1 Mi values (2 MiB).
 // On Zen 4, 256 Ki, 512 Ki and 1 Mi ran within noise of each other; on Zen 5 (1 MiB of L2),
-// kt.moe's quantized LoRA step at T=1024 ran 4-6% faster on 1 Mi than on 512 Ki, 2 Mi between
+// kt.moe's quantized LoRA step at T=1024 ran 4-8% faster on 1 Mi than on 512 Ki, 2 Mi between
 // them (Qwen3-30B-A3B, 2 threads, two alternating runs).
 constexpr int64_t kPackedPanelValues = 1024 * 1024;
 
