@@ -35,6 +35,7 @@ using qgemv::AlignedFloats;
 using qgemv::load_scale;
 using qgemv::prefetch_ahead_rows;
 using qgemv::prefetch_lines;
+using qgemv::prefetch_into_l2;
 
 void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out) {
   std::vector<float> row(w.cols);
@@ -213,11 +214,11 @@ KT_TARGET_AVX2 inline void dot_rows(const float* x, int64_t K, int64_t K32, cons
   __m256i magnitude = _mm256_setzero_si256();
   for (int64_t c = 0; c < K32; c += 32) {
     if (c % 64 == 0 && prefetch_rows > 0) {
-      // Rows ahead (kPrefetchAheadBytes, quant_gemv_internal.h; thin_gemm's prefetch_next_tile:
+      // Rows ahead (kBytePrefetchAheadBytes, quant_gemv_internal.h; thin_gemm's prefetch_next_tile:
       // RJ short row streams at once outran the hardware prefetcher; a 2-row fp8 GEMV read
       // memory at 5 GB/s, Zen 3).
       KT_UNROLL for (int j = 0; j < RJ; ++j) {
-        if (j < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ld + c), _MM_HINT_T0);
+        if (j < prefetch_rows) prefetch_into_l2(ahead + j * ld + c);
       }
     }
     if constexpr (Decoder::kCheckNan) {

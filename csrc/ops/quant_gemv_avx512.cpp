@@ -72,7 +72,7 @@ KT_TARGET_AVX512 inline void dot_rows(const float* x, int64_t K, int64_t K32, co
   int64_t c = 0;
   for (; c + 64 <= K32; c += 64) {
     KT_UNROLL for (int j = 0; j < RJ; ++j) {
-      if (j < prefetch_rows) _mm_prefetch(reinterpret_cast<const char*>(ahead + j * ld + c), _MM_HINT_T0);
+      if (j < prefetch_rows) prefetch_into_l2(ahead + j * ld + c);
     }
     dot_step<Decoder, M, RJ, C, 4>(x, K, row, ld, c, part, magnitude);
   }
