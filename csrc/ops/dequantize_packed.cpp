@@ -95,8 +95,8 @@ KT_TARGET_AVX512 inline void prefetch_tile_ahead(const QuantView& q, int64_t row
 // read 16 rows side by side. Read so before its tiles are decoded, a 16-row band is then in
 // L1 and L2. fp8 x·wᵀ from memory went from 4.0-5.0 to 4.9-6.9 G weights/s (one thread,
 // [512, 2048] panels of 16 [1536, 2048] experts in turn, AMD Zen 4), kt.moe's fp8 LoRA step at
-// T=1024 from 0.79-0.82x to 0.82-0.84x bf16's speed (two alternating runs); the prefetches
-// alone had not moved it at any distance or hint.
+// T=1024 from 0.79-0.82x to 0.82-0.84x bf16's speed (two runs switching it on and off in one
+// process); the prefetches alone had not moved it at 256-2048 columns ahead with any hint.
 inline void read_rows_in_order(const QuantView& q, int64_t r0, int64_t r1, int64_t bytes) {
   uint32_t sum = 0;
   for (int64_t r = r0; r < r1; ++r) {
