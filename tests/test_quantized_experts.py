@@ -231,39 +231,6 @@ def test_decode_gemv_int4_on_bf16_activations_every_byte(isa, group, cols, rows,
 
 
 @pytest.mark.parametrize("isa", ALL_ISAS)
-# whole 128-column blocks, then a last block of 32 / 64 / 96 columns; 300 (not whole 32-column
-# steps) keeps the float32 kernel on every path
-@pytest.mark.parametrize("cols", [512, 544, 576, 608, 300])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5])
-@pytest.mark.parametrize("scale_dtype", [bf16, torch.float32], ids=["bf16-scales", "fp32-scales"])
-def test_decode_gemv_fp8_on_bf16_activations_every_code(isa, cols, rows, scale_dtype):
-    """bf16 x on fp8 weights (on avx512_bf16: each code looked up as its exact bf16 value,
-    vdpbf16ps on x as it is, each 128-column block's sum times its scale): every finite code,
-    subnormals included, over 300 rows (three 128-row bands of block scales), against float64
-    on the dequantized weights; the error is the output's one bf16 rounding and float32 sums."""
-    data, scale = raw_weight("fp8", None, 300, cols, scale_dtype, seed=16)
-    data = finite_fp8_codes(300, cols, seed=16).view(torch.float8_e4m3fn)
-    x = randn(rows, cols, seed=17, dtype=bf16)
-    got = torch.ops.kt._quant_gemv_nt(x, data, scale, isa)
-    want = x.double() @ python_dequantize(data, scale).double().t()
-    assert got.dtype == bf16
-    torch.testing.assert_close(got.double(), want, rtol=2 ** -8, atol=1e-6 * want.abs().max().item())
-
-
-@pytest.mark.parametrize("isa", ALL_ISAS)
-def test_decode_gemv_fp8_on_bf16_activations_propagates_nan_codes(isa):
-    """NaN codes (0x7f, 0xff) on bf16 x make exactly the outputs of their rows NaN, on the
-    bf16 kernel's table lookups as on the float32 kernel's fixups."""
-    data, scale = quantization.quantize(randn(1, 40, 256, seed=18) * 0.05, "fp8")
-    raw = data.view(torch.uint8)
-    raw[0, 7, 100] = 0x7F
-    raw[0, 30, 3] = 0xFF
-    x = randn(3, 256, seed=19, dtype=bf16)
-    got = torch.ops.kt._quant_gemv_nt(x, data[0], scale[0], isa)
-    assert got.isnan().any(0).nonzero().flatten().tolist() == [7, 30] and got.isnan()[:, [7, 30]].all()
-
-
-@pytest.mark.parametrize("isa", ALL_ISAS)
 @pytest.mark.parametrize("flush_denormal", [False, True], ids=["daz-off", "daz-on"])
 def test_decode_gemv_keeps_fp8_subnormals_when_denormals_are_flushed(isa, flush_denormal):
     """fp8 subnormal weights (the only values of this weight) count as themselves whether or

@@ -447,14 +447,9 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
   if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == K) {
     run_gemv(x.const_data_ptr<float>(), M, w, isa, out.mutable_data_ptr<float>());
   } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && isa == CpuIsa::kAvx512Bf16 &&
-             (w.format == WeightFormat::kInt4 || (w.format == WeightFormat::kFp8 && K % 32 == 0))) {
+             w.format == WeightFormat::kInt4) {
     AlignedFloats of(M * R);  // x as it is: vdpbf16ps on bf16 pairs (quant_gemv_internal.h)
-    const uint16_t* xb = static_cast<const uint16_t*>(x.const_data_ptr());
-    if (w.format == WeightFormat::kInt4) {
-      qgemv::gemv_int4_bf16(xb, x.stride(0), M, w, of.data());
-    } else {
-      qgemv::gemv_fp8_bf16(xb, x.stride(0), M, w, of.data());
-    }
+    qgemv::gemv_int4_bf16(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), M, w, of.data());
     float_rows_to_bf16(of.data(), R, static_cast<uint16_t*>(out.mutable_data_ptr()), R, M, R, isa);
   } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
     // Converted and written back by convert_rows.h's kernels rather than at::Tensor::to: a

@@ -9,7 +9,6 @@
 //     through each group's sum of x.
 // fp8 bands whose scaled x would overflow, the K % 32 tail columns and rows holding a NaN code
 // go through the same code as on the AVX2 path (quant_gemv_internal.h).
-#include "ops/dequantize_internal.h"
 #include "ops/quant_gemv_internal.h"
 
 namespace kt {
@@ -368,58 +367,6 @@ void gemv_int4_bf16_m(const uint16_t* x, int64_t ldx, const uint16_t* xp, const 
   }
 }
 
-// ---- fp8 on bf16 activations (AVX512-BF16) -------------------------------------------------
-//
-// 32 columns per step through the table of the 128 E4M3 magnitudes at scale 1
-// (dequant::decode32_fp8_table: the bf16 of every E4M3 value is exact, NaN codes NaN), times
-// x's bf16 values by vdpbf16ps (exact products, float32 sums; x's bf16 denormals flushed), each
-// 128-column block's sum times its scale. The float32 kernel spent a widening, a shift, a mask
-// and an FMA per 16 columns on x converted once per call; this one two vpermt2w, a blend, the
-// sign and one vdpbf16ps per 32 on x as it is.
-template <int M, bool Bf16Scales>
-KT_TARGET_AVX512_BF16 void gemv_fp8_bf16_rows(const uint16_t* x, int64_t ldx, const WeightMatrix& w,
-                                              const dequant::Fp8Table& table, float* out) {
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), blocks = w.scale.size(1);
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  const void* scales = w.scale.const_data_ptr();
-  const int64_t ahead = prefetch_ahead_rows(ld, 1, kBytePrefetchAheadBytes);
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const int64_t s0 = (r / kFp8Block) * blocks;
-    __m512 total[M];
-    KT_UNROLL for (int m = 0; m < M; ++m) total[m] = _mm512_setzero_ps();
-    for (int64_t b = 0; b < blocks; ++b) {
-      const int64_t c0 = b * kFp8Block, c1 = std::min(K, c0 + kFp8Block);
-      // One independent sum per 32-column step (at most 4 in a block), for vdpbf16ps's latency.
-      __m512 part[M][4];
-      KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < 4; ++j) part[m][j] = _mm512_setzero_ps();
-      KT_UNROLL for (int j = 0; j < 4; ++j) {
-        const int64_t c = c0 + 32 * j;
-        if (c >= c1) break;
-        if (row_ahead != nullptr && j % 2 == 0) prefetch_into_l2(row_ahead + c);
-        const __m512bh wv = (__m512bh)dequant::decode32_fp8_table(
-            _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + c)), table);
-        KT_UNROLL for (int m = 0; m < M; ++m) {
-          part[m][j] = _mm512_dpbf16_ps(part[m][j], wv, (__m512bh)_mm512_loadu_si512(x + m * ldx + c));
-        }
-      }
-      const __m512 sv = _mm512_set1_ps(load_scale<Bf16Scales>(scales, s0 + b));
-      KT_UNROLL for (int m = 0; m < M; ++m) {
-        const __m512 sum = _mm512_add_ps(_mm512_add_ps(part[m][0], part[m][1]), _mm512_add_ps(part[m][2], part[m][3]));
-        total[m] = _mm512_fmadd_ps(sv, sum, total[m]);
-      }
-    }
-    KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = _mm512_reduce_add_ps(total[m]);
-  }
-}
-
-KT_TARGET_AVX512_BF16 dequant::Fp8Table unit_fp8_table() {
-  alignas(64) uint16_t values[dequant::kFp8TableEntries];
-  dequant::fill_fp8_table(1.0f, values);
-  return dequant::load_fp8_table(values);
-}
-
 }  // namespace
 
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out) {
@@ -431,19 +378,6 @@ void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatri
   for_row_chunks(M, [&](int64_t m0, auto rows) {
     gemv_int4_bf16_m<decltype(rows)::value>(x + m0 * ldx, ldx, xp + m0 * steps * kInt4Step,
                                             sums.data() + m0 * steps * 16, w, out + m0 * w.rows);
-  });
-}
-
-void gemv_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out) {
-  TORCH_INTERNAL_ASSERT(w.format == WeightFormat::kFp8 && w.cols % 32 == 0);
-  const dequant::Fp8Table table = unit_fp8_table();
-  const bool bf16_scales = w.scale.scalar_type() == at::kBFloat16;
-  for_row_chunks(M, [&](int64_t m0, auto rows) {
-    constexpr int R = decltype(rows)::value;
-    const uint16_t* xm = x + m0 * ldx;
-    float* om = out + m0 * w.rows;
-    if (bf16_scales) return gemv_fp8_bf16_rows<R, true>(xm, ldx, w, table, om);
-    gemv_fp8_bf16_rows<R, false>(xm, ldx, w, table, om);
   });
 }
 

@@ -283,11 +283,5 @@ void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
 // products, float32 sums), each group's sum times its scale; out [M, R] float32.
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
 
-// out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an fp8 weight of whole 32-column steps
-// (K % 32 == 0), on AVX512-BF16 (quant_gemv_avx512.cpp): each code looked up as its exact bf16
-// value, multiplied with x's bf16 values by vdpbf16ps (exact products, float32 sums), each
-// 128-column block's sum times its scale; out [M, R] float32.
-void gemv_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
-
 }  // namespace qgemv
 }  // namespace kt
