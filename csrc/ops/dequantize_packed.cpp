@@ -252,7 +252,7 @@ KT_TARGET_AVX512_BF16 void rows_bytes_first_avx512_bf16(const WeightMatrix& w, i
   Fp8BandTables tables(0, F == WeightFormat::kFp8 ? l.in : 0);
   for (int64_t o0 = 0; o0 < l.out; o0 += 16) {
     const int64_t r0 = n0 + o0;
-    read_rows_in_order(q, r0, std::min(r0 + 16, n0 + l.out), l.in);  // fp8 and int8: a byte a column
+    read_rows_in_order(q, r0, r0 + 16, column_bytes<F>(l.in));  // the 16 rows the tiles below read
     __m512 s_lo, s_hi;
     if constexpr (F == WeightFormat::kInt8) pair_lane_scales(q, r0, s_lo, s_hi);
     if constexpr (F == WeightFormat::kFp8) tables.for_row(q, r0);

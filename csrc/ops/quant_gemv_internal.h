@@ -87,11 +87,12 @@ void fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const uint8_t*
 // int8: the columns after the last whole 32-column step added to every row.
 void int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, float* out);
 
-// How far ahead of the rows being decoded the GEMVs prefetch the weight stream. On an Intel
-// Xeon (Sapphire Rapids class, KVM) the hardware prefetchers alone left a one-thread int4 GEMV
-// reading 3.5 GB/s from memory (6.9 G weights/s; 17 from cache); prefetching 2 KB ahead made
-// it 15 (benchmarks.quant_gemv --rows 1; 1 KB ahead: 14, 4-8 KB: 13-15). Zen 4's hardware
-// prefetcher had followed the single row stream by itself.
+// How far ahead of the rows being decoded the int4 GEMVs prefetch the weight stream (fp8 and
+// int8: kBytePrefetchAheadBytes below). On an Intel Xeon (Sapphire Rapids class, KVM) the
+// hardware prefetchers alone left a one-thread int4 GEMV reading 3.5 GB/s from memory (6.9 G
+// weights/s; 17 from cache); prefetching 2 KB ahead made it 15 (benchmarks.quant_gemv --rows 1;
+// 1 KB ahead: 14, 4-8 KB: 13-15). Zen 4's hardware prefetcher had followed the single row
+// stream by itself.
 constexpr int64_t kPrefetchAheadBytes = 2048;
 
 // The fp8 / int8 GEMVs (a byte a value) prefetch 4 KB ahead into L2 (prefetch_into_l2). On Zen 4
