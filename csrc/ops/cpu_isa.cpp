@@ -42,7 +42,9 @@ const char* onednn_cap_below_bf16() {
   return nullptr;
 }
 
-bool cpu_supports(CpuIsa isa) {
+// Whether the CPU (and the OS, which must save the vector registers) has the path's
+// instructions, whatever oneDNN is allowed to use.
+bool cpu_has_instructions(CpuIsa isa) {
   // __builtin_cpu_supports also checks that the OS saves the AVX/AVX-512 register state.
   switch (isa) {
     case CpuIsa::kPortable:
@@ -50,18 +52,23 @@ bool cpu_supports(CpuIsa isa) {
     case CpuIsa::kAvx2:
       return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case CpuIsa::kAvx512:
-      return cpu_supports(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
+      return cpu_has_instructions(CpuIsa::kAvx2) && __builtin_cpu_supports("avx512f") &&
              __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl") &&
              __builtin_cpu_supports("avx512dq");
     case CpuIsa::kAvx512Bf16:
-      return cpu_supports(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16") && onednn_cap_below_bf16() == nullptr;
+      return cpu_has_instructions(CpuIsa::kAvx512) && __builtin_cpu_supports("avx512bf16");
   }
   return false;
 }
 
-// Why a path the CPU has is still unavailable ("" when the CPU lacks it).
+bool cpu_supports(CpuIsa isa) {
+  return cpu_has_instructions(isa) && (isa != CpuIsa::kAvx512Bf16 || onednn_cap_below_bf16() == nullptr);
+}
+
+// Why a path the CPU has is still unavailable ("" when the CPU lacks it: then the cap is not
+// the reason, and naming it would send the user after the wrong cause).
 std::string unsupported_note(CpuIsa isa) {
-  if (isa != CpuIsa::kAvx512Bf16 || onednn_cap_below_bf16() == nullptr) return "";
+  if (isa != CpuIsa::kAvx512Bf16 || !cpu_has_instructions(isa) || onednn_cap_below_bf16() == nullptr) return "";
   return std::string(" (oneDNN is limited to ONEDNN_MAX_CPU_ISA=") + onednn_cap_below_bf16() +
          ", below the AVX512_CORE_BF16 its bf16 GEMMs and weight packing need)";
 }
