@@ -34,3 +34,33 @@ def dequantized_inputs(kwargs: Dict[str, object]) -> Dict[str, object]:
         if kwargs.get(scale_name) is not None:
             out[name] = quantization.dequantize(kwargs[name], kwargs[scale_name]).double()
     return out
+
+
+def block_float_steps(x, group):
+    """The avx2 decode kernel of bf16 x on int4 / int8 weights (quant_gemv_int16.cpp) holds x as
+    16-bit block floating point per group of columns: x16 = round(x / 2^e), e chosen so that the
+    group's largest |x| = f · 2^(e + 15), f in [0.5, 1). The steps 2^e, [M, groups] float64 (0 for
+    a zero group)."""
+    M, K = x.shape
+    most = x[:, : K // group * group].double().abs().reshape(M, -1, group).amax(-1)
+    return torch.where(most > 0, torch.ldexp(torch.ones_like(most), torch.frexp(most)[1] - 15), 0)
+
+
+def block_float_rounded(x, group):
+    """x [M, K] as that kernel holds it (float64): each value rounded half to even to a multiple
+    of its group's step; columns after the last whole group as they are."""
+    M, K = x.shape
+    cols = K // group * group
+    step = block_float_steps(x, group).repeat_interleave(group, 1)
+    out = x.double().clone()
+    safe = torch.where(step > 0, step, 1)
+    out[:, :cols] = torch.round(out[:, :cols] / safe) * safe
+    return out
+
+
+def rounding_bound(x, w, group):
+    """Per output [M, R] of that kernel: what rounding x to its groups' steps can change, Σ over
+    groups of half a step times Σ|w| over the group's columns."""
+    cols = x.shape[1] // group * group
+    w_sums = w[:, :cols].double().abs().reshape(w.shape[0], -1, group).sum(-1)
+    return 0.5 * block_float_steps(x, group) @ w_sums.t()

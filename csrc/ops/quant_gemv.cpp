@@ -305,21 +305,6 @@ KT_TARGET_AVX2 inline void int4_group(const float* x, int64_t K, const uint8_t* 
   KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm256_fmadd_ps(sv, _mm256_add_ps(part[m][0], part[m][1]), total[m][J]);
 }
 
-// The row's group scales as float32 (bf16 ones converted, 8 at a time), so that each group's
-// scale is one broadcast load.
-template <bool Bf16>
-KT_TARGET_AVX2 inline const float* row_scales(const void* scales, int64_t s0, int64_t groups, float* buffer) {
-  if constexpr (!Bf16) {
-    return static_cast<const float*>(scales) + s0;
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(buffer + g, simd::load8_bf16(src + g));
-    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
-    return buffer;
-  }
-}
-
 // Groups of G columns, scales of dtype bf16 (Bf16) or float32: both compile-time, so that a
 // group is straight-line code. Group gi goes to chain gi % C, unrolled by C so that the totals
 // stay in registers. x permuted and the negated group sums from int4_permuted_x.
@@ -334,7 +319,7 @@ KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, cons
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
+    const float* s = qgemv::row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
     __m256 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm256_setzero_ps();
     int64_t gi = 0;
@@ -423,9 +408,9 @@ void qgemv::fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const u
   gemv_fp8_fixups<false>(x, M, w, nan_rows, out);
 }
 
-void qgemv::int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, float* out) {
+void qgemv::int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, int64_t first_column, float* out) {
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0);
-  if (K % 32 == 0) return;
+  if (first_column >= K) return;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
   const bool bf16 = qgemv::bf16_scales(w);
@@ -433,7 +418,7 @@ void qgemv::int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, 
     const float s = bf16 ? load_scale<true>(scales, r) : load_scale<false>(scales, r);
     for (int64_t m = 0; m < M; ++m) {
       float acc = 0.f;
-      for (int64_t c = K / 32 * 32; c < K; ++c) acc += x[m * K + c] * (static_cast<float>(static_cast<int8_t>(base[r * ld + c])) * s);
+      for (int64_t c = first_column; c < K; ++c) acc += x[m * K + c] * (static_cast<float>(static_cast<int8_t>(base[r * ld + c])) * s);
       out[m * R + r] += acc;
     }
   }
@@ -457,7 +442,10 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
     // a few microseconds.
     AlignedFloats xf(M * K), of(M * R);
     bf16_rows_to_float(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), xf.data(), K, M, K, isa);
-    run_gemv(xf.data(), M, w, isa, of.data());
+    // int4 / int8 on AVX2: integer dot products (quant_gemv_int16.cpp), exact for bf16 x.
+    const bool integer = isa == CpuIsa::kAvx2 && w.format != WeightFormat::kFp8 &&
+                         qgemv::gemv_int16_avx2(xf.data(), M, w, of.data());
+    if (!integer) run_gemv(xf.data(), M, w, isa, of.data());
     float_rows_to_bf16(of.data(), R, static_cast<uint16_t*>(out.mutable_data_ptr()), R, M, R, isa);
   } else {  // float64 activations or strided rows
     const at::Tensor xf = x.to(at::kFloat).contiguous();
@@ -466,6 +454,19 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
     out.copy_(of);
   }
   return out;
+}
+
+std::tuple<at::Tensor, bool> quant_gemv_int16_avx2(const at::Tensor& x, const WeightMatrix& w) {
+  TORCH_CHECK(w.format == WeightFormat::kInt4 || w.format == WeightFormat::kInt8,
+              "quant_gemv_int16_avx2: int4 or int8 weights expected");
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2 && x.size(1) == w.cols,
+              "quant_gemv_int16_avx2: x must be float32 [M, ", w.cols, "]");
+  parse_cpu_isa("avx2", "quant_gemv_int16_avx2");  // raises on a CPU without AVX2
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::zeros({x.size(0), w.rows}, x.options());
+  const bool ran = x.size(0) == 0 || qgemv::gemv_int16_avx2(xc.const_data_ptr<float>(), x.size(0), w,
+                                                            out.mutable_data_ptr<float>());
+  return {out, ran};
 }
 
 }  // namespace kt

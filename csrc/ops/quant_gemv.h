@@ -5,7 +5,9 @@
 // x: float32 or bfloat16 [M, K] (converted to float32 once; bf16 x on int4 weights on the
 // avx512_bf16 path stays bf16 for vdpbf16ps, quant_gemv_internal.h); out [M, R] in x's dtype,
 // accumulated in float32. The portable path runs the reference loops, every other path the
-// AVX2 kernels. Single-threaded: callers run it inside their own parallel blocks.
+// AVX2 kernels (AVX-512 ones on the avx512 paths); bf16 x on int4 / int8 weights on the avx2
+// path takes integer dot products instead (quant_gemv_int16.cpp). Single-threaded: callers run
+// it inside their own parallel blocks.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -16,5 +18,11 @@
 namespace kt {
 
 at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa);
+
+// The avx2 path's integer-dot-product kernel for bf16 x on int4 / int8 weights on its own (for
+// tests; quant_gemv_nt takes it for bf16 x there): x float32 [M, K] holding bf16 values, out
+// float32 [M, R] before any rounding to bf16, and whether the kernel ran (false: it refused x,
+// a NaN, an inf or too small a group, and out is undefined).
+std::tuple<at::Tensor, bool> quant_gemv_int16_avx2(const at::Tensor& x, const WeightMatrix& w);
 
 }  // namespace kt

@@ -21,23 +21,26 @@
 namespace kt {
 namespace qgemv {
 
-// A float buffer on a 64-byte boundary: the kernels' loads of x never straddle a cache line
-// (std::vector's 16-byte alignment made every other 32-byte load straddle one: 25% slower fp8 /
-// int4 GEMVs in half the calls, depending on where malloc put the buffer).
-class AlignedFloats {
+// A buffer of n values on a 64-byte boundary: the kernels' loads of x never straddle a cache
+// line (std::vector's 16-byte alignment made every other 32-byte load straddle one: 25% slower
+// fp8 / int4 GEMVs in half the calls, depending on where malloc put the buffer).
+template <typename T>
+class AlignedArray {
  public:
-  explicit AlignedFloats(int64_t n)
-      : data_(static_cast<float*>(std::aligned_alloc(64, (std::max<int64_t>(n, 1) * sizeof(float) + 63) / 64 * 64))) {
+  explicit AlignedArray(int64_t n)
+      : data_(static_cast<T*>(std::aligned_alloc(64, (std::max<int64_t>(n, 1) * sizeof(T) + 63) / 64 * 64))) {
     TORCH_CHECK(data_ != nullptr, "quant_gemv_nt: out of memory");
   }
-  ~AlignedFloats() { std::free(data_); }
-  AlignedFloats(const AlignedFloats&) = delete;
-  AlignedFloats& operator=(const AlignedFloats&) = delete;
-  float* data() { return data_; }
+  ~AlignedArray() { std::free(data_); }
+  AlignedArray(const AlignedArray&) = delete;
+  AlignedArray& operator=(const AlignedArray&) = delete;
+  T* data() { return data_; }
+  const T* data() const { return data_; }
 
  private:
-  float* data_;
+  T* data_;
 };
+using AlignedFloats = AlignedArray<float>;
 
 // Denormals are read as zero while MXCSR.DAZ is set (torch.set_flush_denormal(True), which
 // kt_ops.finetune sets): the fp8 bit-pattern kernels' subnormal weights are float32 denormals,
@@ -69,6 +72,21 @@ inline float load_scale(const void* scales, int64_t i) {
 
 inline bool bf16_scales(const WeightMatrix& w) { return w.scale.scalar_type() == at::kBFloat16; }
 
+// The group scales s0.. s0 + groups of a row as float32 (bf16 ones converted 8 at a time into
+// buffer), so that each group's scale is one broadcast load (the AVX2 int4 kernels).
+template <bool Bf16>
+KT_TARGET_AVX2 inline const float* row_scales(const void* scales, int64_t s0, int64_t groups, float* buffer) {
+  if constexpr (!Bf16) {
+    return static_cast<const float*>(scales) + s0;
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
+    int64_t g = 0;
+    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(buffer + g, simd::load8_bf16(src + g));
+    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
+    return buffer;
+  }
+}
+
 // xs[m, c] = x[m, c] · scale[c / 128] · 2^120 for the M rows of x. Returns whether every
 // |x · scale| < 2^7 (false for a NaN or inf in x): then xs is finite, and so is every partial
 // sum of the fp8 bit-pattern kernels (|x · scale · w| < 2^7 · 448 per term).
@@ -84,8 +102,9 @@ void fp8_band_through_fp16(const float* x, int64_t M, const WeightMatrix& w, int
 // each row flagged in nan_rows recomputed exactly (fp8).
 void fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const uint8_t* nan_rows, float* out);
 
-// int8: the columns after the last whole 32-column step added to every row.
-void int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, float* out);
+// int8: columns first_column.. K - 1 (those after the kernel's last whole step) added to every
+// row of out.
+void int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, int64_t first_column, float* out);
 
 // How far ahead of the rows being decoded the int4 GEMVs prefetch the weight stream (fp8 and
 // int8: kBytePrefetchAheadBytes below). On an Intel Xeon (Sapphire Rapids class, KVM) the
@@ -218,7 +237,7 @@ void gemv_int8(const float* x, const WeightMatrix& w, float* out) {
   const void* scales = w.scale.const_data_ptr();
   dot_row_range<typename Kernels::Int8Pass, M>(x, w, 0, w.rows, out, nullptr,
                                                [scales](int64_t r) { return load_scale<Bf16>(scales, r); });
-  int8_tail_columns(x, M, w, out);
+  int8_tail_columns(x, M, w, w.cols / 32 * 32, out);
 }
 
 // int4: x permuted and the group sums once per call, then the kernel for the group size (32,
@@ -277,6 +296,12 @@ void for_row_chunks(int64_t M, const Fn& fn) {
 // there for M = 1..4).
 template <int M>
 void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
+
+// out = x·wᵀ for M rows of x (float32 holding bf16 values, [M, K]) on an int4 or int8 weight,
+// through AVX2 integer dot products on x as 16-bit block floating point (quant_gemv_int16.cpp).
+// False, out untouched, where x holds a NaN, an inf or a group too small for its exponents:
+// then the float kernels run.
+bool gemv_int16_avx2(const float* x, int64_t M, const WeightMatrix& w, float* out);
 
 // out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an int4 weight, on AVX512-BF16
 // (quant_gemv_avx512.cpp): each nibble looked up as the bf16 value q − 8 (exact), multiplied

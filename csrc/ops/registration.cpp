@@ -122,6 +122,9 @@ TORCH_LIBRARY(kt, m) {
   m.def("_packed_layout(int out_features, int in_features) -> int[]");
   m.def("_quant_gemm_path(ScalarType dtype) -> str");
   m.def("_quant_gemv_nt(Tensor x, Tensor weight, Tensor scale, str isa) -> Tensor");
+  // The avx2 integer-dot-product decode kernel alone (float32 x holding bf16 values): its float32
+  // output and whether it ran (quant_gemv.h).
+  m.def("_quant_gemv_int16(Tensor x, Tensor weight, Tensor scale) -> (Tensor, bool)");
   m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("_quant_mm_nn(Tensor d, Tensor weight, Tensor scale, Tensor? addend) -> Tensor");
   m.def(
