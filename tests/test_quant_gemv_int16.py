@@ -76,7 +76,7 @@ def test_int16_gemv_rounds_small_values_within_its_bound(fmt, group, cols):
 @pytest.mark.parametrize("fmt,group,cols", CASES[:1] + CASES[3:5], ids=CASE_IDS[:1] + CASE_IDS[3:5])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e-32], ids=["nan", "inf", "tiny-group"])
 def test_int16_gemv_refuses_what_it_cannot_hold_and_the_float_kernels_answer(fmt, group, cols, bad):
-    """A NaN or inf in x, or a group whose largest |x| is below 2^-100 (its 2^-e would leave
+    """A NaN or inf in x, or a group whose largest |x| is below 2^-101 (its 2^-e would leave
     float32's normal range): the kernel refuses the call, and quant_gemv_nt's float kernels
     give the result (non-finite where the product is, the rest against float64)."""
     data, scale = raw_weight(fmt, group, 40, cols, f32, seed=26)

@@ -6,13 +6,13 @@
 //   x, per row and group of G columns, as 16-bit block floating point: x16 = x · 2^-e, with e
 //   chosen so that the group's largest |x| lands in [2^14, 2^15). A bf16 value (8 significant
 //   bits) within 2^7 of its group's largest is an integer there, exactly; a smaller one is
-//   rounded to a multiple of 2^e, an error of at most 2^-15 of the group's largest |x|, the
-//   size of float32 summation's own rounding over a row (|x|·2^-24 per add, 2048 adds);
+//   rounded to a multiple of 2^e, by at most 2^-15 of the group's largest |x| (bf16 itself
+//   rounded that largest value by up to 2^-9 of it);
 //   weights widened to 16 bits (int4: 16 bytes -> 16 words, low nibble, high nibble: 3
 //   instructions per 32 weights; int8: vpmovsxbw, 1 per 16), multiplied with vpmaddwd
 //   (16 products a vector, summed in pairs into 32-bit lanes) and summed in int32, exactly;
 //   each group's sum converted to float once and scaled by its 2^e (and int4's group scale).
-// Where x holds a NaN or an inf, or a group whose largest |x| is below 2^-100, the float
+// Where x holds a NaN or an inf, or a group whose largest |x| is below 2^-101, the float
 // kernels run instead (gemv_int16_avx2 returns false). float32 activations always take the
 // float kernels: there the rounding of small values would be above float32's own.
 //
@@ -37,19 +37,20 @@ namespace {
 // 32-bit lane's sum within 2^25.
 constexpr int64_t kInt8XGroup = 64;
 
-// Groups whose largest |x| is below 2^-100 (and so exponents e below -115) are left to the
+// Groups whose largest |x| is below 2^-101 (exponents e below -115) are left to the
 // float kernels: 2^-e must stay a normal float32.
 constexpr int kMinExponent = -115;
 
 // x [M, cols] (float32 values that are bf16 values) as block floating point over groups of G
-// columns. evens_then_odds: each 32 columns stored as their 16 even columns, then their 16 odd
-// ones (int4: a byte's low nibble is the even column, its high nibble the odd one).
+// columns. Int4 layout: each 32 columns stored as their 16 even columns, then their 16 odd ones
+// (a byte's low nibble is the even column, its high nibble the odd one), and the group sums
+// for int4's bias; int8's is the columns in order.
 struct BlockFloatX {
   BlockFloatX(int64_t M, int64_t cols, int64_t G)
       : cols(cols), groups(cols / G), values(M * cols), neg_sums(M * groups * 8), pow2(M * groups) {}
   int64_t cols, groups;
   AlignedArray<int16_t> values;    // [M, cols]: x16
-  AlignedArray<int32_t> neg_sums;  // [M, groups, 8]: minus the group's sum of x16 in every lane (int4's bias)
+  AlignedArray<int32_t> neg_sums;  // [M, groups, 8]: minus the group's sum of x16 in every lane (int4 only)
   AlignedFloats pow2;              // [M, groups]: 2^e
 };
 
@@ -59,7 +60,7 @@ KT_TARGET_AVX2 inline __m256i round_to_int(const float* p, __m256 scale) {
 
 // Fills bx from x (row stride ldx). False when a value is not finite or a group's largest |x|
 // is too small for kMinExponent.
-template <int G, bool EvensThenOdds>
+template <int G, bool Int4Layout>
 KT_TARGET_AVX2 bool block_float_x(const float* x, int64_t ldx, int64_t M, BlockFloatX& bx) {
   static_assert(G % 32 == 0, "groups are whole 32-column steps");
   const __m256 magnitude_mask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
@@ -91,9 +92,9 @@ KT_TARGET_AVX2 bool block_float_x(const float* x, int64_t ldx, int64_t M, BlockF
         __m256i v[4];
         KT_UNROLL for (int q = 0; q < 4; ++q) {
           v[q] = round_to_int(xg + c + 8 * q, scale);
-          sum = _mm256_add_epi32(sum, v[q]);
+          if constexpr (Int4Layout) sum = _mm256_add_epi32(sum, v[q]);
         }
-        if constexpr (EvensThenOdds) {
+        if constexpr (Int4Layout) {
           // Each 8 columns as their 4 evens, then their 4 odds; packing two such vectors gives
           // evens | odds in each 128-bit half; the halves of the two packs make the 16 evens
           // and the 16 odds.
@@ -109,6 +110,7 @@ KT_TARGET_AVX2 bool block_float_x(const float* x, int64_t ldx, int64_t M, BlockF
                              _mm256_permute4x64_epi64(_mm256_packs_epi32(v[2], v[3]), 0xd8));
         }
       }
+      if constexpr (!Int4Layout) continue;
       __m128i s = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
       s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
