@@ -25,8 +25,8 @@ CASE_IDS = ["int4-g32", "int4-g64", "int4-g128", "int8-384", "int8-139", "int8-3
 
 
 def int16_gemv(x, data, scale):
-    out, ran = torch.ops.kt._quant_gemv_int16(x, data, scale)
-    return out, ran
+    """(the kernel's float32 output, whether it ran)"""
+    return torch.ops.kt._quant_gemv_int16(x, data, scale)
 
 
 def float32_slack(x, w):

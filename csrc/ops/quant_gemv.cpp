@@ -87,11 +87,6 @@ KT_TARGET_AVX2 inline __m256 decode_int8x8(const uint8_t* p) {
 template <int M>
 constexpr int kChains = M <= 2 ? 4 : 2;
 
-// int4's totals take one FMA per group, its group sums the two chains of int4_group: fewer
-// totals for more rows keep every accumulator in a register.
-template <int M>
-constexpr int kInt4TotalChains = M == 1 ? 4 : M == 2 ? 2 : 1;
-
 template <int M>
 KT_TARGET_AVX2 inline void store_row(const __m256 (&total)[M], float* out, int64_t R, int64_t r) {
   KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = simd::hsum8(total[m]);
@@ -311,7 +306,7 @@ KT_TARGET_AVX2 inline void int4_group(const float* x, int64_t K, const uint8_t* 
 template <int M, int G, bool Bf16>
 KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
                                      float* out) {
-  constexpr int C = kInt4TotalChains<M>;
+  constexpr int C = qgemv::kTotalChains<M>;
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
@@ -442,7 +437,8 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
     // a few microseconds.
     AlignedFloats xf(M * K), of(M * R);
     bf16_rows_to_float(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), xf.data(), K, M, K, isa);
-    // int4 / int8 on AVX2: integer dot products (quant_gemv_int16.cpp), exact for bf16 x.
+    // int4 / int8 on AVX2: integer dot products on x as 16-bit block floating point
+    // (quant_gemv_int16.cpp); where it refuses x, the float kernels.
     const bool integer = isa == CpuIsa::kAvx2 && w.format != WeightFormat::kFp8 &&
                          qgemv::gemv_int16_avx2(xf.data(), M, w, of.data());
     if (!integer) run_gemv(xf.data(), M, w, isa, of.data());

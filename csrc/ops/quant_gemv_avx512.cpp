@@ -107,9 +107,6 @@ KT_TARGET_AVX512 inline void decode_int4x32(const uint8_t* p, __m512& lo, __m512
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
 }
 
-template <int M>
-constexpr int kInt4TotalChains = M == 1 ? 4 : M == 2 ? 2 : 1;
-
 // One group of G columns into chain J of each x row's total (quant_gemv.cpp's int4_group).
 template <int M, int C, int G, int J>
 KT_TARGET_AVX512 inline void int4_group(const float* x, int64_t K, const uint8_t* p, const float* s,
@@ -147,7 +144,7 @@ KT_TARGET_AVX512 inline const float* row_scales(const void* scales, int64_t s0, 
 template <int M, int G, bool Bf16>
 KT_TARGET_AVX512 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w,
                                        float* scale_buffer, float* out) {
-  constexpr int C = kInt4TotalChains<M>;
+  constexpr int C = qgemv::kTotalChains<M>;
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();

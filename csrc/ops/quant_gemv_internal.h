@@ -148,6 +148,12 @@ constexpr int kRowsPerPass = M == 1 ? 1 : M == 2 ? 4 : 2;
 template <int M>
 constexpr int kPassChains = M == 1 ? 4 : 1;
 
+// Chains of per-group totals per x row, by x rows, for the kernels that add one FMA per group
+// (the float int4 kernels, quant_gemv_int16.cpp's int4 and int8): fewer chains for more rows
+// keep every accumulator in a register.
+template <int M>
+constexpr int kTotalChains = M == 1 ? 4 : M == 2 ? 2 : 1;
+
 struct UnitScale {
   float operator()(int64_t) const { return 1.f; }
 };
