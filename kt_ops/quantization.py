@@ -22,6 +22,7 @@ round to nearest even; an all-zero block or group gets scale 1.
 """
 from __future__ import annotations
 
+import math
 from typing import Optional
 
 import torch
@@ -159,3 +160,25 @@ def storage_layout(expert_format: str, E: int, out: int, inp: int, group_size: O
     stored_in = inp // 2 if expert_format == "int4" else inp
     return ((E, out, stored_in), _DTYPE_OF[expert_format], _scale_shape(expert_format, E, out, inp, group_size),
             _DEFAULT_SCALE_DTYPE[expert_format])
+
+
+def expert_set_nbytes(num_experts: int, hidden_size: int, intermediate_size: int,
+                      expert_format: Optional[str] = None, group_size: Optional[int] = None,
+                      dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of one layer's base experts (gate, up ``[E, I, H]``, down ``[E, H, I]``, scales
+    included) as ``KTMoE`` holds them, computed from the shapes alone: what
+    ``KTMoE(hidden_size, intermediate_size, num_experts, ..., expert_format=...).expert_nbytes()``
+    returns, without making the layer. ``dtype`` is that of float experts (``expert_format=None``)."""
+    group_size = check_format(expert_format, group_size, "expert_set_nbytes")
+    if expert_format == "int4" and (hidden_size % group_size or intermediate_size % group_size):
+        raise ValueError(f"expert_set_nbytes: expert_format='int4' with group_size={group_size} needs hidden_size "
+                         f"({hidden_size}) and intermediate_size ({intermediate_size}) to be multiples of it")
+    total = 0
+    for out, inp in ((intermediate_size, hidden_size), (intermediate_size, hidden_size),
+                     (hidden_size, intermediate_size)):
+        if expert_format is None:
+            total += num_experts * out * inp * dtype.itemsize
+            continue
+        shape, qdtype, scale_shape, scale_dtype = storage_layout(expert_format, num_experts, out, inp, group_size)
+        total += math.prod(shape) * qdtype.itemsize + math.prod(scale_shape) * scale_dtype.itemsize
+    return total

@@ -1,0 +1,153 @@
+"""How much CPU memory a model's routed experts take in each expert format, from its config.
+
+The model is built from its config on the meta device (no weight is allocated) and every
+transformers experts module in it is read off: ``gate_up_proj [E, 2I, H]`` and ``down_proj
+[E, H, I]``. So the layer count, the dense layers (DeepSeek's ``first_k_dense_replace``, Qwen's
+``mlp_only_layers``, ...) and the shapes are transformers' own, for any family it runs. Bytes
+per layer are :func:`kt_ops.quantization.expert_set_nbytes`: what ``KTMoE.expert_nbytes()``
+reports once :func:`~kt_ops.patch_model` has patched the layer, scales included. Shared experts
+and every other module stay where the model keeps them and are not counted.
+
+    .venv/bin/python -m kt_ops.hf.expert_memory                    # the README's table
+    .venv/bin/python -m kt_ops.hf.expert_memory path/to/checkpoint   # any local config
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+from typing import Optional, Sequence
+
+import torch
+
+from kt_ops import quantization
+from kt_ops.hf.experts import is_experts_module
+
+# (label, expert_format, group_size): the table's columns after bf16.
+FORMAT_COLUMNS = (("fp8", "fp8", None), ("int8", "int8", None), ("int4 g=32", "int4", 32),
+                  ("int4 g=128", "int4", 128))
+
+
+@dataclasses.dataclass(frozen=True)
+class ExpertLayer:
+    name: str            # the experts module's path in the model
+    num_experts: int
+    hidden_size: int
+    intermediate_size: int
+
+    def nbytes(self, expert_format: Optional[str] = None, group_size: Optional[int] = None) -> int:
+        return quantization.expert_set_nbytes(self.num_experts, self.hidden_size, self.intermediate_size,
+                                              expert_format, group_size)
+
+
+def expert_layers(config) -> list[ExpertLayer]:
+    """Every transformers experts module of the model ``config`` describes, with its shape."""
+    from accelerate import init_empty_weights
+
+    from kt_ops.hf.loading import _build_model
+
+    config = _without_quantization(config)
+    with init_empty_weights(include_buffers=True), torch.random.fork_rng(devices=[]):
+        model = _build_model(config, torch.bfloat16)
+    layers = []
+    for name, module in model.named_modules():
+        if is_experts_module(module):
+            E, two_i, H = module.gate_up_proj.shape
+            layers.append(ExpertLayer(name, E, H, two_i // 2))
+    if not layers:
+        raise ValueError(f"expert_layers: {type(model).__name__} (model_type={config.model_type!r}) has no "
+                         "transformers experts module")
+    return layers
+
+
+def _without_quantization(config):
+    """The config without its ``quantization_config``: the model is built unquantized (kt_ops
+    holds the experts in its own format), as :func:`kt_ops.hf.from_pretrained` does."""
+    if not hasattr(config, "quantization_config"):
+        return config
+    import copy
+
+    config = copy.deepcopy(config)
+    del config.quantization_config
+    return config
+
+
+def expert_bytes(config, expert_format: Optional[str] = None, group_size: Optional[int] = None) -> int:
+    """Bytes of all routed experts of the model ``config`` describes, in one format (None: bf16)."""
+    return sum(layer.nbytes(expert_format, group_size) for layer in expert_layers(config))
+
+
+def reference_configs() -> dict:
+    """The README's models, as transformers configs with their released shapes (config.json)."""
+    from transformers import DeepseekV3Config, Qwen3MoeConfig
+
+    return {
+        # 48 layers, all MoE (decoder_sparse_step 1, mlp_only_layers []), 128 experts of 2048 x 768.
+        "Qwen3-30B-A3B": Qwen3MoeConfig(hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+                                        num_experts_per_tok=8, num_hidden_layers=48, num_attention_heads=32,
+                                        num_key_value_heads=4, head_dim=128),
+        # 94 layers, all MoE, 128 experts of 4096 x 1536.
+        "Qwen3-235B-A22B": Qwen3MoeConfig(hidden_size=4096, moe_intermediate_size=1536, num_experts=128,
+                                          num_experts_per_tok=8, num_hidden_layers=94, num_attention_heads=64,
+                                          num_key_value_heads=4, head_dim=128),
+        # transformers' defaults are DeepSeek-V3's: 61 layers, the first 3 dense, 256 routed experts
+        # of 7168 x 2048 (and one shared expert per layer, not counted).
+        "DeepSeek-V3 / R1": DeepseekV3Config(),
+        # DeepSeek-V3's architecture with 384 routed experts and only the first layer dense.
+        "Kimi-K2": DeepseekV3Config(n_routed_experts=384, first_k_dense_replace=1, num_attention_heads=64),
+    }
+
+
+def load_config(path: str):
+    """A transformers config from a checkpoint directory or a ``config.json`` file (local only)."""
+    from transformers import AutoConfig
+
+    if os.path.isdir(path):
+        return AutoConfig.from_pretrained(path, local_files_only=True)
+    with open(path) as f:
+        fields = json.load(f)
+    return AutoConfig.for_model(fields.pop("model_type"), **fields)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.2f} MB"
+
+
+def memory_table(configs: dict) -> str:
+    """A markdown table: per model, its routed experts in bf16 and in each format (GB = 1e9 bytes,
+    MB = 1e6; with the ratio to bf16), and one layer's bf16 experts (what patch_model holds at most on top
+    while it quantizes, one experts module at a time)."""
+    head = ["model", "MoE layers x experts (H x I)", "routed params", "bf16"] + [c[0] for c in FORMAT_COLUMNS]
+    head.append("one layer bf16")
+    rows = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for label, config in configs.items():
+        layers = expert_layers(config)
+        shapes = sorted({(l.num_experts, l.hidden_size, l.intermediate_size) for l in layers})
+        shape = "; ".join(f"{sum((l.num_experts, l.hidden_size, l.intermediate_size) == s for l in layers)} x {s[0]} "
+                          f"({s[1]} x {s[2]})" for s in shapes)
+        bf16 = sum(l.nbytes() for l in layers)
+        params = bf16 // 2
+        cells = [label, shape, f"{params / 1e9:,.1f} B" if params >= 1e8 else f"{params / 1e6:,.2f} M", _size(bf16)]
+        for _, fmt, group in FORMAT_COLUMNS:
+            if fmt == "int4" and any(l.hidden_size % group or l.intermediate_size % group for l in layers):
+                cells.append(f"n/a (groups of {group} do not divide H, I)")  # patch_model refuses it too
+                continue
+            nbytes = sum(l.nbytes(fmt, group) for l in layers)
+            cells.append(f"{_size(nbytes)} ({nbytes / bf16:.3f}x)")
+        cells.append(_size(max(l.nbytes() for l in layers)))
+        rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kt_ops.hf.expert_memory", description=__doc__.split("\n\n")[0])
+    parser.add_argument("configs", nargs="*", metavar="CONFIG",
+                        help="checkpoint directories or config.json files (default: the README's models)")
+    args = parser.parse_args(argv)
+    configs = {path: load_config(path) for path in args.configs} if args.configs else reference_configs()
+    print(memory_table(configs))
+
+
+if __name__ == "__main__":
+    main()
