@@ -4,8 +4,8 @@
     python tests/loading_memory_run.py kt DIR OUT.json   # kt_ops.hf.from_pretrained(expert_format="int4")
     python tests/loading_memory_run.py hf DIR OUT.json   # from_pretrained + patch_model(expert_format="int4")
 
-``kt`` and ``hf`` write the peak and final resident sizes, the largest layer's bf16 expert
-bytes and the logits of a fixed input to OUT.json / OUT.pt.
+``kt`` and ``hf`` write the peak and final resident sizes (``hf`` also patch_model's own peak),
+the largest layer's bf16 expert bytes and the logits of a fixed input to OUT.json / OUT.pt.
 """
 import json
 import resource
@@ -29,6 +29,17 @@ def peak_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
 
 
+def reset_peak() -> None:
+    """Restart the kernel's peak resident size (VmHWM) from the current one (Linux >= 4.0)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+
+
+def peak_since_reset() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def make(path: str) -> None:
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
@@ -42,13 +53,19 @@ def load(kind: str, path: str, out: str) -> None:
 
     start = time.perf_counter()
     baseline = resident_bytes()
+    patching = {}
     if kind == "kt":
         model = kt_ops.hf.from_pretrained(path, expert_format="int4", progress=False)
     else:
         from transformers import AutoModelForCausalLM
 
-        model = kt_ops.patch_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16),
-                                   expert_format="int4")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        # patch_model's own peak: it quantizes one experts module at a time and drops that
+        # module's bf16 copy before the next.
+        patching["before_patch"] = resident_bytes()
+        reset_peak()
+        kt_ops.patch_model(model, expert_format="int4")
+        patching["patch_peak"], patching["after_patch"] = peak_since_reset(), resident_bytes()
     seconds = time.perf_counter() - start
     peak, final = peak_bytes(), resident_bytes()
     ids = torch.arange(16).reshape(2, 8)
@@ -61,7 +78,7 @@ def load(kind: str, path: str, out: str) -> None:
     with open(out, "w") as f:
         json.dump({"peak": peak, "final": final, "baseline": baseline, "layer_bf16_experts": layer_bf16,
                    "expert_bytes": experts, "bf16_expert_bytes": layer_bf16 * c["num_hidden_layers"],
-                   "seconds": seconds}, f)
+                   "seconds": seconds, **patching}, f)
 
 
 if __name__ == "__main__":
