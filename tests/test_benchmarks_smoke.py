@@ -82,6 +82,14 @@ def test_quant_gemv_times_every_format_from_memory_and_cache():
     assert all(float(r[k]) > 0 for r in rows for k in ("memory_ms", "cache_ms", "memory_gw", "cache_gw"))
 
 
+def test_quant_gemv_nn_times_panels_and_thin_per_format():
+    from benchmarks import quant_gemv
+    rows = quant_gemv.main(["--hidden", "128", "--intermediate", "32", "--experts", "3", "--repeats", "1", "--nn",
+                            "--rows", "2"])
+    assert [r["kernel"] for r in rows] == [f"{f} {k}" for f in ("bf16", "fp8", "int8", "int4") for k in ("panels", "thin")]
+    assert all(float(r[k]) > 0 for r in rows for k in ("memory_ms", "cache_ms", "memory_gw", "cache_gw"))
+
+
 def test_suite_fp8_reference_leaves_out_the_quantization(tmp_path):
     """--reference kt.moe-fp8-fp32: kt.moe-fp8's errors are its bf16 rounding alone (well under
     the 4e-2 of the weights' fp8 quantization); kt-kernel-fp8 runs where kt-kernel is installed,

@@ -10,6 +10,7 @@
 #include "ops/packed_layout.h"
 #include "ops/packed_weights.h"
 #include "ops/quant_gemv.h"
+#include "ops/thin_gemm_nn.h"
 #include "ops/thin_gemm.h"
 
 namespace kt {
@@ -359,11 +360,27 @@ at::Tensor base_mm_nt(const at::Tensor& x, const WeightMatrix& w) {
   return w.quantized() ? panel_mm_nt(x, w) : base_mm_nt(x, w.data);
 }
 
+// Decode-sized d (backward's input gradients of blocks of at most kThinNnMaxRows rows) on the
+// avx2 path, on quantized or bf16 weights: thin_gemm_nn streams the weights once where the
+// panels converted them into float32 for ATen's GEMM (one row, [768, 2048] int4 on Zen 3: 0.97
+// ms a call against the forward GEMV's 0.13). The avx512 paths keep their panels (bf16 ones
+// for oneDNN's GEMMs there): thin_gemm_nn's AVX2 kernel was not measured against them.
+bool takes_thin_gemm_nn(const at::Tensor& d, const WeightMatrix& w) {
+  return d.size(0) <= kThinNnMaxRows && active_cpu_isa() == CpuIsa::kAvx2 &&
+         (d.scalar_type() == at::kFloat || d.scalar_type() == at::kBFloat16) &&
+         (w.quantized() || (w.data.scalar_type() == at::kBFloat16 && d.scalar_type() == at::kBFloat16));
+}
+
 at::Tensor base_mm_nn(const at::Tensor& d, const WeightMatrix& w) {
+  if (takes_thin_gemm_nn(d, w)) return thin_gemm_nn(d, w, std::nullopt, CpuIsa::kAvx2);
   return w.quantized() ? panel_mm_nn(d, w, std::nullopt) : base_mm_nn(d, w.data);
 }
 
 void base_addmm_nn_(at::Tensor& out, const at::Tensor& d, const WeightMatrix& w) {
+  if (takes_thin_gemm_nn(d, w)) {
+    out.copy_(thin_gemm_nn(d, w, out, CpuIsa::kAvx2));
+    return;
+  }
   if (!w.quantized()) return base_addmm_nn_(out, d, w.data);
   out.copy_(panel_mm_nn(d, w, out));
 }

@@ -69,6 +69,10 @@ at::Tensor stacked_mm_nn(const at::Tensor& d, const WeightMatrix& a, const Weigh
 // quantized ones (their bytes streamed once), the panels for float64.
 at::Tensor thin_gemm_nt(const at::Tensor& x, const WeightMatrix& w);
 
+// Whether base_mm_nn / base_addmm_nn_ on w take thin_gemm_nn (thin_gemm_nn.h) for d on the
+// active path: decode-sized d on quantized or bf16 weights on the avx2 path.
+bool takes_thin_gemm_nn(const at::Tensor& d, const WeightMatrix& w);
+
 // The same GEMMs forcing the bf16-to-float32 panel path whatever the CPU (tests compare it with
 // ATen); on quantized weights the panels of the path (bf16 ones for bf16 on avx512_bf16). Any
 // floating dtype; the result is rounded to the inputs' dtype.

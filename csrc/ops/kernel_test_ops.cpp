@@ -16,6 +16,7 @@
 #include "ops/small_gemm.h"
 #include "ops/swiglu.h"
 #include "ops/thin_gemm.h"
+#include "ops/thin_gemm_nn.h"
 
 namespace kt {
 namespace {
@@ -128,6 +129,36 @@ at::Tensor quant_mm_nn_op(const at::Tensor& d, const at::Tensor& weight, const a
   return panel_mm_nn(d, quantized_matrix(weight, scale), addend);
 }
 
+// One expert's weight [N, K] in any format base_gemm.h takes: dense (no scale) or quantized.
+WeightMatrix any_matrix(const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK_VALUE(weight.dim() == 2, "expected a 2-d weight, got ", weight.sizes());
+  if (weight_format_of(weight.scalar_type()) != WeightFormat::kDense) {
+    TORCH_CHECK_VALUE(scale.has_value(), "a quantized weight needs its scale");
+    return quantized_matrix(weight, *scale);
+  }
+  return expert_weights(weight.unsqueeze(0), std::nullopt).expert(0);
+}
+
+// d·w (+ addend) by thin_gemm_nn on one path ("portable": the reference loop).
+at::Tensor thin_gemm_nn_op(const at::Tensor& d, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                           const std::string& isa, const std::optional<at::Tensor>& addend) {
+  return thin_gemm_nn(d, any_matrix(weight, scale), addend, parse_cpu_isa(isa, "isa"));
+}
+
+// d·w (+ addend) as kt.moe's backward computes it on the active path (base_gemm.h's choice).
+at::Tensor base_mm_nn_op(const at::Tensor& d, const at::Tensor& weight, const std::optional<at::Tensor>& scale,
+                         const std::optional<at::Tensor>& addend) {
+  const WeightMatrix w = any_matrix(weight, scale);
+  if (!addend.has_value()) return base_mm_nn(d, w);
+  at::Tensor out = addend->clone();
+  base_addmm_nn_(out, d, w);
+  return out;
+}
+
+bool thin_gemm_nn_taken_op(const at::Tensor& d, const at::Tensor& weight, const std::optional<at::Tensor>& scale) {
+  return takes_thin_gemm_nn(d, any_matrix(weight, scale));
+}
+
 at::Tensor panel_mm_nt_op(const at::Tensor& x, const at::Tensor& w) { return panel_mm_nt(x, w); }
 
 at::Tensor panel_mm_nn_op(const at::Tensor& d, const at::Tensor& w, const std::optional<at::Tensor>& addend) {
@@ -200,6 +231,9 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_quant_gemv_int16", &quant_gemv_int16_op);
   m.impl("_quant_mm_nt", &quant_mm_nt_op);
   m.impl("_quant_mm_nn", &quant_mm_nn_op);
+  m.impl("_thin_gemm_nn", &thin_gemm_nn_op);
+  m.impl("_base_mm_nn", &base_mm_nn_op);
+  m.impl("_thin_gemm_nn_taken", &thin_gemm_nn_taken_op);
   m.impl("_panel_mm_tn", &panel_mm_tn_op);
   m.impl("_convert_rows", &convert_rows_op);
 }

@@ -127,6 +127,11 @@ TORCH_LIBRARY(kt, m) {
   m.def("_quant_gemv_int16(Tensor x, Tensor weight, Tensor scale) -> (Tensor, bool)");
   m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("_quant_mm_nn(Tensor d, Tensor weight, Tensor scale, Tensor? addend) -> Tensor");
+  // Backward's decode-sized d·w [+ addend] on bf16 or quantized weights on a path
+  // (thin_gemm_nn.h), and d·w [+ addend] as kt.moe's backward routes it on the active path.
+  m.def("_thin_gemm_nn(Tensor d, Tensor weight, Tensor? scale, str isa, Tensor? addend) -> Tensor");
+  m.def("_base_mm_nn(Tensor d, Tensor weight, Tensor? scale, Tensor? addend) -> Tensor");
+  m.def("_thin_gemm_nn_taken(Tensor d, Tensor weight, Tensor? scale) -> bool");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
