@@ -51,6 +51,7 @@ import json
 import os
 import re
 import sys
+import warnings
 from typing import Callable, Optional
 
 import torch
@@ -59,6 +60,7 @@ from torch import Tensor, nn
 
 import kt_ops
 from kt_ops import quantization
+from kt_ops.cpu_isa import best_cpu_isa
 from kt_ops.finetune_trainer import RunResult, WindowDataset, train_with_trainer
 from kt_ops.tokenizer import ByteTokenizer
 
@@ -406,6 +408,19 @@ def run(argv=None) -> FinetuneResult:
         torch.set_flush_denormal(False)  # torch's default, for in-process callers (tests)
 
 
+def slow_bf16_note(dtype: torch.dtype, device_type: str, best_isa: str) -> Optional[str]:
+    """Why ``--dtype bfloat16`` is slow on this machine, or None. kt_ops' experts run bf16 on any
+    CPU (float32 panels where the CPU has no AVX512-BF16), but the model's other layers run
+    PyTorch's own bf16 GEMMs, which are slow on such CPUs: the default job on an AVX2 Zen 3 ran
+    630 tokens/s in bf16 against 5,755 in float32, 85% of the bf16 step in ``aten::mm`` outside
+    the experts (README, Fine-tuning)."""
+    if dtype != torch.bfloat16 or device_type != "cpu" or best_isa == "avx512_bf16":
+        return None
+    return (f"--dtype bfloat16 with the model on a CPU without AVX512-BF16 (kt_ops path {best_isa}): the layers "
+            "outside the experts run PyTorch's bf16 GEMMs, several times slower than float32 on this CPU; "
+            "--dtype float32 trains faster here (the experts' own speed is about the same in both)")
+
+
 def _run(args, rank: int, world_size: int) -> FinetuneResult:
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -416,6 +431,10 @@ def _run(args, rank: int, world_size: int) -> FinetuneResult:
         raise ValueError("--compare-eager runs in a single process only")
 
     model = build_kt_model(args)  # the built-in model, or --model streamed from its checkpoint
+    note = slow_bf16_note(DTYPES[args.dtype], model.get_input_embeddings().weight.device.type,
+                          best_cpu_isa())
+    if note and rank == 0:
+        warnings.warn(note, stacklevel=2)
     tokens, tokenizer_info = load_tokens(args, args.model, model.config.vocab_size)
     offsets = batch_offsets(len(tokens), args.seq_len, args.batch_size, args.steps, args.seed)
     init_lora = None

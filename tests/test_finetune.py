@@ -168,3 +168,12 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def test_slow_bf16_note_only_for_bf16_on_cpus_without_avx512_bf16():
+    bf16 = torch.bfloat16
+    assert "without AVX512-BF16 (kt_ops path avx2)" in finetune.slow_bf16_note(bf16, "cpu", "avx2")
+    assert finetune.slow_bf16_note(bf16, "cpu", "avx512") is not None
+    assert finetune.slow_bf16_note(bf16, "cpu", "avx512_bf16") is None
+    assert finetune.slow_bf16_note(bf16, "cuda", "avx2") is None  # the model's layers on a GPU
+    assert finetune.slow_bf16_note(torch.float32, "cpu", "avx2") is None
