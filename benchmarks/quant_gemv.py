@@ -34,11 +34,7 @@ def main(argv=None):
         w = expert_stack(args, gen)
         x = torch.randn(args.rows, args.hidden, generator=gen).to(torch.bfloat16)
         isa = kt_ops.cpu_isa()
-        kernels = nn_kernels(args, w, gen, isa) if args.nn else {
-            "bf16": lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa)}
-        for fmt, group in FORMATS if not args.nn else ():
-            data, scale = quantization.quantize(w, fmt, group)
-            kernels[fmt] = (lambda d, s: lambda e: torch.ops.kt._quant_gemv_nt(x, d[e], s[e], isa))(data, scale)
+        kernels = nn_kernels(args, w, gen, isa) if args.nn else nt_kernels(x, w, isa)
         first = next(iter(kernels))
         best = {(k, where): float("inf") for k in kernels for where in ("memory", "cache")}
         for _ in range(args.repeats):
@@ -63,6 +59,15 @@ def main(argv=None):
                 ("cache_x", f"x {first}")]
         print(text_table(rows, cols, {c for c, _ in cols if c != "kernel"}, lambda key, v: v))
         return rows
+
+
+def nt_kernels(x, w, isa):
+    """x·wᵀ: bf16's thin GEMV, then each format's decode GEMV."""
+    kernels = {"bf16": lambda e: torch.ops.kt._thin_gemm_nt(x, w[e], torch.bfloat16, isa)}
+    for fmt, group in FORMATS:
+        data, scale = quantization.quantize(w, fmt, group)
+        kernels[fmt] = (lambda d, s: lambda e: torch.ops.kt._quant_gemv_nt(x, d[e], s[e], isa))(data, scale)
+    return kernels
 
 
 def nn_kernels(args, w, gen, isa):

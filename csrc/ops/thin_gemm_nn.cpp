@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "ops/dequantize.h"
+#include "ops/quant_gemv_internal.h"
 #include "ops/simd.h"
 
 namespace kt {
@@ -51,17 +52,7 @@ void nn_reference(const float* d, int64_t M, const WeightMatrix& w, float* acc) 
 
 // ---- per format: row bytes, the coefficient's scale, 16 columns decoded, one value -----------
 
-template <bool Bf16Scales>
-float scale_at(const void* scales, int64_t i) {
-  if constexpr (Bf16Scales) {
-    return simd::bf16_to_float(static_cast<const uint16_t*>(scales)[i]);
-  } else {
-    return static_cast<const float*>(scales)[i];
-  }
-}
-
 struct Bf16Rows {
-  static constexpr bool kPermuted = false;
   const uint8_t* base;
   int64_t ld;  // bytes between rows
   int64_t segment;
@@ -80,14 +71,13 @@ struct Bf16Rows {
 
 template <bool Bf16Scales>
 struct Int8Rows {
-  static constexpr bool kPermuted = false;
   const uint8_t* base;
   int64_t ld;
   int64_t segment;
   const void* scales;  // [rows]
   const uint8_t* row(int64_t i) const { return base + i * ld; }
   static constexpr int64_t kBytesPer16 = 16;
-  float scale(int64_t i, int64_t) const { return scale_at<Bf16Scales>(scales, i); }
+  float scale(int64_t i, int64_t) const { return qgemv::load_scale<Bf16Scales>(scales, i); }
   KT_TARGET_AVX2 void decode16(const uint8_t* row, int64_t k, __m256& lo, __m256& hi, __m128i&) const {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
     lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b));
@@ -98,7 +88,6 @@ struct Int8Rows {
 
 template <bool Bf16Scales>
 struct Int4Rows {
-  static constexpr bool kPermuted = true;  // each 16 columns: evens, then odds
   const uint8_t* base;
   int64_t ld;
   int64_t segment;  // the group size
@@ -106,7 +95,7 @@ struct Int4Rows {
   int64_t groups;
   const uint8_t* row(int64_t i) const { return base + i * ld; }
   static constexpr int64_t kBytesPer16 = 8;
-  float scale(int64_t i, int64_t group) const { return scale_at<Bf16Scales>(scales, i * groups + group); }
+  float scale(int64_t i, int64_t group) const { return qgemv::load_scale<Bf16Scales>(scales, i * groups + group); }
   KT_TARGET_AVX2 void decode16(const uint8_t* row, int64_t k, __m256& lo, __m256& hi, __m128i&) const {
     const __m256i q = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2)));
     const __m256i eight = _mm256_set1_epi32(8);
@@ -118,7 +107,6 @@ struct Int4Rows {
 
 template <bool Bf16Scales>
 struct Fp8Rows {
-  static constexpr bool kPermuted = false;
   const uint8_t* base;
   int64_t ld;
   int64_t segment;  // 128
@@ -128,7 +116,7 @@ struct Fp8Rows {
   // The bit patterns decode to value / 2^8: 2^8 goes into the coefficient.
   static constexpr int64_t kBytesPer16 = 16;
   float scale(int64_t i, int64_t block) const {
-    return scale_at<Bf16Scales>(scales, (i / kFp8Block) * blocks + block) * 256.f;
+    return qgemv::load_scale<Bf16Scales>(scales, (i / kFp8Block) * blocks + block) * 256.f;
   }
   KT_TARGET_AVX2 void decode16(const uint8_t* row, int64_t k, __m256& lo, __m256& hi, __m128i& seen) const {
     const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + k));
@@ -151,7 +139,7 @@ template <int M>
 constexpr int kPassRows = M == 1 ? 4 : 2;
 
 // acc [M, K] += d[:, i0:i0+R] · w[i0:i0+R, :k_main], R rows of w in one pass, prefetching the
-// same columns of the next pass's rows (up to row `last`) as it goes: R streams side by side,
+// same columns of the next pass's rows (the last row at the end) as it goes: R streams side by side,
 // which Zen 3's hardware prefetcher alone left at 5 G weights/s from memory (int8, one row).
 template <int M, int R, class Rows>
 KT_TARGET_AVX2 void nn_pass(const float* d, int64_t N, int64_t K, int64_t k_main, const Rows& rows, int64_t i0,

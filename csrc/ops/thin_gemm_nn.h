@@ -6,8 +6,8 @@
 // d: float32 or bfloat16 [M, N] (converted to float32 once); w [N, K]: bf16 (dense) or
 // quantized (fp8, int8, int4; expert_weights.h); addend: optional [M, K]; out [M, K] in d's
 // dtype, accumulated in float32 and rounded once (the numerics of the panel GEMMs).
-// Each pass takes four rows of w and adds their d-weighted sum into the float32 accumulator
-// rows; the coefficient of row i is d[m, i] times the scale of the block, group or row the
+// Each pass takes a few rows of w (4 for one row of d, 2 for more) and adds their d-weighted
+// sum into the float32 accumulator rows; the coefficient of row i is d[m, i] times the scale of the block, group or row the
 // columns belong to (fp8 weights decode to value / 2^8 through fp16 bit patterns, the 2^8 goes
 // into the coefficient). A row of fp8 holding a NaN code makes the call fall back to the
 // reference loop, so NaN propagates exactly as there.
