@@ -4,6 +4,9 @@
   ``save_original_format=False`` (fused ``experts.gate_up_proj``);
 * FP8 block checkpoints in DeepSeek-V3's layout (every linear ``X.weight`` float8_e4m3fn plus
   ``X.weight_scale_inv`` per 128x128 block, ``quant_method: fp8``);
+* compressed-tensors float-quantized FP8 (llm-compressor's FP8_BLOCK / FP8_DYNAMIC / FP8: every
+  linear ``X.weight`` float8_e4m3fn plus ``X.weight_scale`` per 128x128 block, per output channel
+  or per tensor);
 * compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking: the experts, symmetric, groups of
   32, ``weight_packed`` int32 / ``weight_scale`` bf16 / ``weight_shape``), packed the way
   compressed-tensors' ``pack_to_int32`` packs (written out here, not imported);
@@ -113,6 +116,55 @@ def write_fp8(src: str, dst: str, reference: str) -> None:
         return {key: t if qs is None else quantization.dequantize(qs[0][None], qs[1][None])[0].to(t.dtype)}
 
     rewrite(src, dst, fp8, FP8_CONFIG)
+    rewrite(src, reference, dequantized)
+
+
+def compressed_fp8_config(strategy: str) -> dict:
+    """compressed-tensors' config of llm-compressor's FP8_BLOCK (``block``), FP8_DYNAMIC
+    (``channel``) or, with dynamic activations, FP8 (``tensor``)."""
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "block_structure": [128, 128] if strategy == "block" else None, "observer": "minmax"}
+    acts = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True,
+            "strategy": "group" if strategy == "block" else "token", "group_size": 128 if strategy == "block" else None}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                          "output_activations": None, "format": "float-quantized"}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None}
+
+
+def quantize_compressed_fp8(w: torch.Tensor, strategy: str):
+    """(float8_e4m3fn weight, scale, dequantized float32) as compressed-tensors stores them:
+    ``block`` kt's own fp8 blocks with the scales rounded to bf16 (the model's dtype, as
+    llm-compressor writes them), ``channel`` scale = row amax / 448 in bf16 ``[out, 1]``,
+    ``tensor`` one float32 scale ``[1]``."""
+    w = w.float()
+    if strategy == "block":
+        q, s = quantization.quantize(w[None], "fp8")
+        q, s = q[0], s[0].to(torch.bfloat16)
+        return q, s, quantization.dequantize(q[None], s[None])[0]
+    amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
+    s = (amax / 448).clamp_min(1e-8).to(torch.bfloat16 if strategy == "channel" else torch.float32)
+    q = (w / (s.float() if strategy == "channel" else s.float().reshape(1, 1))).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s, q.float() * (s.float() if strategy == "channel" else s.float().reshape(1, 1))
+
+
+def write_compressed_fp8(src: str, dst: str, reference: str, strategy: str) -> None:
+    """A compressed-tensors FP8 checkpoint of float checkpoint ``src`` (every 2-d linear weight
+    but the embeddings, head and routers), and in ``reference`` the float checkpoint of its
+    dequantized values."""
+    def picked(key, t):
+        return key.endswith(".weight") and t.dim() == 2 and not FP8_KEEP_FLOAT.search(key)
+
+    def fp8(key, t):
+        if not picked(key, t):
+            return {key: t}
+        q, s, _ = quantize_compressed_fp8(t, strategy)
+        return {key: q, key[: -len(".weight")] + ".weight_scale": s}
+
+    def dequantized(key, t):
+        return {key: quantize_compressed_fp8(t, strategy)[2].to(t.dtype) if picked(key, t) else t}
+
+    rewrite(src, dst, fp8, compressed_fp8_config(strategy))
     rewrite(src, reference, dequantized)
 
 

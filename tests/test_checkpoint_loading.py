@@ -3,14 +3,16 @@
 * float checkpoints (per expert as save_pretrained writes them, fused, sharded; fp32 and bf16):
   the same model as transformers' from_pretrained + patch_model (every tensor equal, LoRA
   included, equal logits), for Qwen3-MoE, DeepSeek-V3 and every covered family;
-* FP8 block and compressed-tensors INT4 checkpoints written by the tests: the logits of the
-  float checkpoint of their dequantized values; kept in their format they are copied as stored
-  (the quantizer is never called, the bytes are the checkpoint's); requantized as asked;
+* FP8 block, compressed-tensors FP8 (per block, per tensor, per channel) and compressed-tensors
+  INT4 checkpoints written by the tests: the logits of the float checkpoint of their dequantized
+  values; kept in their format they are copied as stored (the quantizer is never called, the
+  bytes are the checkpoint's); requantized as asked;
 * what goes wrong is named: a missing expert, an extra tensor, a wrong shape, an FP8 weight
-  without its scale, a quantization kt_ops does not read.
+  without its scale (or with a scale of no known shape), a quantization kt_ops does not read.
 """
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -130,6 +132,30 @@ def test_fp8_checkpoint(tmp_path, monkeypatch, expert_format, dtype):
         assert_same_model(ours, ref)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("expert_format", ["fp8", None])
+@pytest.mark.parametrize("strategy", ["block", "tensor", "channel"])
+def test_compressed_tensors_fp8_checkpoint(tmp_path, monkeypatch, strategy, expert_format, dtype):
+    samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
+    samples.write_compressed_fp8(tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized", strategy)
+    as_stored = expert_format == "fp8" and strategy != "channel"  # per-channel scales fit no kt format
+    if as_stored:
+        monkeypatch.setattr(quantization, "quantize", _no_quantize)
+    ours = loaded(tmp_path / "fp8", expert_format=expert_format, dtype=dtype)
+    monkeypatch.undo()
+    ref = reference(tmp_path / "dequantized", dtype, expert_format=None if as_stored else expert_format)
+    ids = samples.input_ids()
+    assert rel_err(logits(ours, ids), logits(ref, ids)) <= TOL[dtype]
+    name, kt = patched_experts(ours)[1]
+    if as_stored:
+        stored = _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight")
+        assert torch.equal(kt.up_proj[2].view(torch.uint8), stored.view(torch.uint8))
+        scale = _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight_scale").float()
+        assert torch.equal(kt.up_scale[2], scale if strategy == "block" else scale.expand_as(kt.up_scale[2]))
+    else:  # dequantized, or requantized from the FP8 values: what patch_model makes of them
+        assert_same_model(ours, ref)
+
+
 @pytest.mark.parametrize("expert_format", ["int4", None, "int8"])
 def test_compressed_tensors_int4_checkpoint(tmp_path, monkeypatch, expert_format):
     samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
@@ -238,8 +264,35 @@ def test_fp8_weight_without_scale_is_named(float_checkpoint, tmp_path):
         from_pretrained(path, progress=False)
 
 
+def test_compressed_fp8_scale_missing_or_misshapen_is_named(float_checkpoint, tmp_path):
+    samples.write_compressed_fp8(float_checkpoint, tmp_path / "fp8", tmp_path / "ref", "block")
+    key = "model.layers.1.mlp.experts.0.gate_proj.weight"
+    scale = key[: -len(".weight")] + ".weight_scale"
+    config = samples.compressed_fp8_config("block")
+    path = _edited(tmp_path / "fp8", tmp_path / "c", lambda k, t: {} if k == scale else {k: t}, config)
+    with pytest.raises(ValueError, match=f"{re.escape(key)} is float8_e4m3fn without {re.escape(scale)}"):
+        from_pretrained(path, progress=False)
+    path = _edited(tmp_path / "fp8", tmp_path / "d", lambda k, t: {k: t[:, :1].repeat(1, 3) if k == scale else t},
+                   config)
+    with pytest.raises(ValueError, match=f"{re.escape(scale)}: expected float32/bfloat16 scales"):
+        from_pretrained(path, progress=False)
+
+
+def _fp8_group(**changes):
+    group = samples.compressed_fp8_config("block")["config_groups"]["group_0"]
+    weights = {**group["weights"], **changes.pop("weights", {})}
+    return {**samples.compressed_fp8_config("block"), "config_groups": {"g": {**group, "weights": weights, **changes}}}
+
+
 @pytest.mark.parametrize("config,match", [
     ({"quant_method": "gptq", "bits": 4}, r"quant_method is 'gptq'"),
+    (_fp8_group(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
+     r"config_groups\.g\.input_activations\.dynamic is False"),
+    (_fp8_group(weights={"strategy": "group", "group_size": 128}), r"config_groups\.g\.weights\.strategy is 'group'"),
+    (_fp8_group(weights={"block_structure": [64, 64]}), r"block_structure is \[64, 64\]"),
+    (_fp8_group(weights={"num_bits": 4}), r"config_groups\.g\.weights\.num_bits is 4"),
+    ({**samples.int4_config(), "config_groups": {**samples.int4_config()["config_groups"],
+      **_fp8_group()["config_groups"]}}, r"mix float \(\['g'\]\) and int \(\['group_0'\]\)"),
     ({**samples.FP8_CONFIG, "weight_block_size": [64, 64]}, r"weight_block_size is \[64, 64\]"),
     ({**samples.int4_config(), "config_groups": {"g": {**samples.int4_config()["config_groups"]["group_0"],
       "weights": {**samples.int4_config()["config_groups"]["group_0"]["weights"], "symmetric": False}}}},

@@ -1,6 +1,6 @@
 """How a shipped checkpoint stores a weight matrix, and how to turn it into kt_ops' forms.
 
-Three storage forms, told apart by the config's ``quantization_config`` and the tensor names:
+Four storage forms, told apart by the config's ``quantization_config`` and the tensor names:
 
 ============================  ======================================  ====================================
 checkpoint                    tensors of one ``X.weight``             kt_ops form
@@ -10,13 +10,19 @@ FP8 blocks (DeepSeek-V3:      ``X.weight`` float8_e4m3fn ``[out, in]``   ``"fp8"
 ``quant_method: fp8``,        ``X.weight_scale_inv`` fp32               is kt's fp8 block scale)
 ``weight_block_size [128,     ``[ceil(out/128), ceil(in/128)]``
 128]``)
+compressed-tensors            ``X.weight`` float8_e4m3fn ``[out, in]``   ``block`` and ``tensor``: ``"fp8"`` as
+``float-quantized`` FP8       ``X.weight_scale`` fp32 / bf16:          is (a tensor's one scale is every
+(llm-compressor's FP8_BLOCK,  ``block`` ``[ceil(out/128),             block's); ``channel``: dequantized
+FP8_DYNAMIC, FP8)             ceil(in/128)]``, ``channel`` ``[out,     (exactly), then cast or requantized
+                              1]``, ``tensor`` ``[1]``                 like a float checkpoint
 compressed-tensors            ``X.weight_packed`` int32 ``[out, in/8]``  ``"int4"`` as is (the int32 words'
 ``pack-quantized`` INT4       ``X.weight_scale`` ``[out, in/g]``        little-endian bytes are kt's int4
 (symmetric, group ``g``;      ``X.weight_shape`` ``[2]``                bytes: value ``q + 8``, column
 Kimi-K2-Thinking)                                                     ``2j`` low nibble of byte ``j``)
 ============================  ======================================  ====================================
 
-Only weight quantization is read: kt_ops computes activations in the model's dtype.
+Only weight quantization is read: kt_ops computes activations in the model's dtype (a
+checkpoint's dynamic activation quantization is left out; static activation scales are refused).
 """
 from __future__ import annotations
 
@@ -28,11 +34,13 @@ from torch import Tensor
 
 from kt_ops import quantization
 
-# Tensor-name suffixes that belong to a quantized ``X.weight``, per checkpoint method.
+# Tensor-name suffixes that belong to a quantized ``X.weight``, per (method, quant_method). Both
+# FP8 scales are the multiplier (weight = q * scale), whatever DeepSeek's "_inv" suggests.
 _ROLE_SUFFIXES = {
-    "fp8": ((".weight_scale_inv", "scale_inv"),),
-    "int4": ((".weight_packed", "packed"), (".weight_scale", "group_scale"), (".weight_shape", "shape"),
-             (".weight_zero_point", "zero_point")),
+    ("fp8", "fp8"): ((".weight_scale_inv", "fp8_scale"),),
+    ("fp8", "compressed-tensors"): ((".weight_scale", "fp8_scale"), (".weight_zero_point", "zero_point")),
+    ("int4", "compressed-tensors"): ((".weight_packed", "packed"), (".weight_scale", "group_scale"),
+                                     (".weight_shape", "shape"), (".weight_zero_point", "zero_point")),
 }
 
 
@@ -42,6 +50,7 @@ class CheckpointQuantization:
     plain float tensors)."""
     method: Optional[str] = None      # None, "fp8" or "int4"
     group_size: Optional[int] = None  # int4's input columns per scale
+    quant_method: Optional[str] = None  # the config's: "fp8" or "compressed-tensors" (how tensors are named)
 
     @classmethod
     def from_config(cls, quantization_config) -> "CheckpointQuantization":
@@ -61,19 +70,74 @@ class CheckpointQuantization:
             if qc.get("activation_scheme", "dynamic") != "dynamic":
                 raise ValueError(f"quantization_config.activation_scheme is {qc.get('activation_scheme')!r}; kt_ops "
                                  "is weight-only and reads FP8 checkpoints with dynamic activation scales")
-            return cls("fp8")
+            return cls("fp8", quant_method="fp8")
         if method == "compressed-tensors":
-            return cls("int4", _compressed_tensors_group_size(qc))
+            if _compressed_tensors_kind(qc) == "fp8":
+                _check_compressed_tensors_fp8(qc)
+                return cls("fp8", quant_method=method)
+            return cls("int4", _compressed_tensors_group_size(qc), quant_method=method)
         raise ValueError(f"quantization_config.quant_method is {method!r}; kt_ops reads float checkpoints, "
-                         "'fp8' (128x128 block scales) and 'compressed-tensors' pack-quantized INT4")
+                         "'fp8' (128x128 block scales) and 'compressed-tensors' (pack-quantized INT4, "
+                         "float-quantized FP8)")
+
+    def fp8_scale_key(self, weight_key: str) -> str:
+        """The name of the FP8 scale tensor of ``X.weight``, as this checkpoint names it."""
+        suffix = ".weight_scale_inv" if self.quant_method == "fp8" else ".weight_scale"
+        return weight_key[: -len(".weight")] + suffix if weight_key.endswith(".weight") else weight_key + "_scale"
 
     def split_role(self, key: str) -> tuple[str, str]:
         """``(the key of the weight it belongs to, role)``: ``"value"`` for a weight (or any
-        other tensor), else the quantization tensor's role (``scale_inv``, ``packed``, ...)."""
-        for suffix, role in _ROLE_SUFFIXES.get(self.method, ()):
+        other tensor), else the quantization tensor's role (``fp8_scale``, ``packed``, ...)."""
+        for suffix, role in _ROLE_SUFFIXES.get((self.method, self.quant_method), ()):
             if key.endswith(suffix):
                 return key[: -len(suffix)] + ".weight", role
         return key, "value"
+
+
+def _compressed_tensors_kind(qc: dict) -> str:
+    """"fp8" when every config group quantizes weights to 8-bit floats, else "int4" (checked
+    field by field by _compressed_tensors_group_size); ValueError for a mix of the two."""
+    groups = qc.get("config_groups") or {}
+    floats = {name: (g.get("weights") or {}).get("type") == "float" for name, g in groups.items()}
+    if any(floats.values()) and not all(floats.values()):
+        raise ValueError(f"quantization_config.config_groups mix float ({[n for n, f in floats.items() if f]}) and int "
+                         f"({[n for n, f in floats.items() if not f]}) weights; kt_ops reads one of them")
+    return "fp8" if floats and all(floats.values()) else "int4"
+
+
+# compressed-tensors' FP8 weight strategies and the scale each stores (see StoredMatrix.from_parts).
+_FP8_STRATEGIES = ("block", "channel", "tensor")
+
+
+def _check_compressed_tensors_fp8(qc: dict) -> None:
+    """ValueError naming the field of a float-quantized config group kt_ops cannot read: its
+    weights must be symmetric 8-bit floats (e4m3) per 128x128 block, per output channel or per
+    tensor, and its activations unquantized or quantized dynamically (kt_ops is weight-only, so
+    it leaves dynamic activation quantization out; static activation scales would be the
+    checkpoint's tensors it has no use for)."""
+    fmt = qc.get("format")
+    for name, group in qc["config_groups"].items():
+        w = group.get("weights") or {}
+        where = f"quantization_config.config_groups.{name}"
+        for field, value in {"num_bits": 8, "type": "float", "symmetric": True}.items():
+            if w.get(field) != value:
+                raise ValueError(f"{where}.weights.{field} is {w.get(field)!r}; kt_ops reads symmetric 8-bit float "
+                                 f"(e4m3) weights ({field}={value!r})")
+        if w.get("strategy") not in _FP8_STRATEGIES:
+            raise ValueError(f"{where}.weights.strategy is {w.get('strategy')!r}; kt_ops reads FP8 weights with "
+                             f"one of {_FP8_STRATEGIES}")
+        block = w.get("block_structure")
+        if w["strategy"] == "block" and (block is None or list(block) != [quantization.FP8_BLOCK] * 2):
+            raise ValueError(f"{where}.weights.block_structure is {block!r}; kt_ops reads FP8 blocks of "
+                             f"[{quantization.FP8_BLOCK}, {quantization.FP8_BLOCK}]")
+        acts = group.get("input_activations")
+        if acts is not None and not acts.get("dynamic"):
+            raise ValueError(f"{where}.input_activations.dynamic is {acts.get('dynamic')!r}; kt_ops is weight-only "
+                             "(activations stay in the model's dtype) and reads checkpoints whose activation "
+                             "scales are dynamic, not stored")
+        if group.get("format", fmt) != "float-quantized":
+            raise ValueError(f"{where}: format is {group.get('format', fmt)!r}; kt_ops reads FP8 weights "
+                             "'float-quantized'")
 
 
 def _compressed_tensors_group_size(qc: dict) -> int:
@@ -108,7 +172,9 @@ def _compressed_tensors_group_size(qc: dict) -> int:
 @dataclasses.dataclass
 class StoredMatrix:
     """One ``[out, in]`` weight as the checkpoint stores it: ``fmt`` None (a float tensor in
-    ``data``), ``"fp8"`` or ``"int4"`` (``data`` in kt_ops' layout of that format, ``scale``)."""
+    ``data``), ``"fp8"`` or ``"int4"`` (``data`` in kt_ops' layout of that format, ``scale``),
+    or ``"fp8_rows"`` (float8_e4m3fn ``data`` with one scale per output row, ``scale [out]``:
+    no kt_ops format holds it as is)."""
     data: Tensor
     fmt: Optional[str] = None
     scale: Optional[Tensor] = None
@@ -129,8 +195,23 @@ class StoredMatrix:
             return cls(data, "int4", scale)
         data = parts["value"]
         if data.dtype == torch.float8_e4m3fn:
-            return cls(data, "fp8", parts["scale_inv"])
+            return cls._fp8(data, parts["fp8_scale"])
         return cls(data)
+
+    @classmethod
+    def _fp8(cls, data: Tensor, scale: Tensor) -> "StoredMatrix":
+        """By the scale's shape: one per 128x128 block (kt's fp8 as is), one for the whole
+        tensor (every block's, exactly), or one per output row ("fp8_rows"). Any other shape
+        stays "fp8" for check() to name."""
+        out, inp = data.shape
+        if tuple(scale.shape) == (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK)):
+            return cls(data, "fp8", scale)
+        if scale.numel() == 1:
+            grid = (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK))
+            return cls(data, "fp8", scale.reshape(1, 1).expand(grid).contiguous())
+        if tuple(scale.shape) in ((out, 1), (out,)):
+            return cls(data, "fp8_rows", scale.reshape(out))
+        return cls(data, "fp8", scale)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -145,21 +226,26 @@ class StoredMatrix:
         """The weight's values (float32 for a quantized one: exactly what kt's kernels compute)."""
         if self.fmt is None:
             return self.data
+        if self.fmt == "fp8_rows":  # each float8 value (exact in float32) times its row's scale, rounded once
+            return self.data.float() * self.scale.float()[:, None]
         return quantization.dequantize(self.data.unsqueeze(0), self.scale.unsqueeze(0))[0]
 
-    def check(self, name: str) -> None:
-        """ValueError naming ``name`` when the scale does not fit the data."""
+    def check(self, name: str, scale_name: Optional[str] = None) -> None:
+        """ValueError naming the scale tensor (``scale_name``, else ``name`` + ``_scale``)
+        when the scale does not fit the data."""
         if self.fmt is None:
             return
         out, inp = self.shape
         if self.fmt == "fp8":
             want = (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK))
-            what = "one per 128x128 block"
+            what = "one per 128x128 block, one per output row [out, 1] or one for the tensor [1]"
+        elif self.fmt == "fp8_rows":
+            want, what = (out,), "one per output row"
         else:
             g = inp // self.scale.shape[1] if self.scale.dim() == 2 and self.scale.shape[1] else 0
             want = (out, inp // g) if g in quantization.GROUP_SIZES and inp % g == 0 else None
             what = f"one per group of {quantization.GROUP_SIZES} input columns"
         if want is None or tuple(self.scale.shape) != want or self.scale.dtype not in (torch.float32, torch.bfloat16):
-            suffix = "_scale_inv" if self.fmt == "fp8" else "_scale"
-            raise ValueError(f"{name}{suffix}: expected float32/bfloat16 scales {want or '[out, in/g]'} ({what}) for "
+            raise ValueError(f"{scale_name or name + '_scale'}: expected float32/bfloat16 scales "
+                             f"{want or '[out, in/g]'} ({what}) for "
                              f"a [{out}, {inp}] weight, got {self.scale.dtype} {tuple(self.scale.shape)}")

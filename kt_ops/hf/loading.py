@@ -111,11 +111,15 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     Checkpoints read as they ship: float (bf16 / fp16 / fp32) with experts stored per expert
     (``experts.{e}.gate_proj.weight``: hub layout, and what transformers' save_pretrained
     writes) or fused (``experts.gate_up_proj [E, 2I, H]``); FP8 block checkpoints
-    (``quant_method: "fp8"``, ``weight_block_size [128, 128]``: DeepSeek-V3, Kimi-K2); and
-    compressed-tensors' pack-quantized symmetric INT4 (Kimi-K2-Thinking). The routed experts
-    end in ``expert_format``: copied as stored when the checkpoint holds that format (FP8 as
+    (``quant_method: "fp8"``, ``weight_block_size [128, 128]``: DeepSeek-V3, Kimi-K2);
+    compressed-tensors' float-quantized FP8 (llm-compressor's FP8_BLOCK, FP8_DYNAMIC and FP8
+    schemes: one scale per 128x128 block, per output channel or per tensor; activation
+    quantization left out, kt_ops being weight-only); and compressed-tensors' pack-quantized
+    symmetric INT4 (Kimi-K2-Thinking). The routed experts end in ``expert_format``: copied as
+    stored when the checkpoint holds that format (FP8 blocks, or a tensor's one scale, as
     ``"fp8"``; INT4 as ``"int4"`` with the checkpoint's group size, the default then), else
-    dequantized and cast to ``dtype`` (``expert_format=None``) or requantized. Quantized
+    dequantized and cast to ``dtype`` (``expert_format=None``) or requantized (per-channel FP8
+    has no kt_ops format of its own: ``"fp8"`` requantizes it into blocks). Quantized
     non-expert weights are dequantized to ``dtype``.
 
     Memory: the finished model, plus one stored tensor in flight and at most
@@ -307,8 +311,8 @@ class _Plan:
 
     def _check_parts(self, weight: _Weight, name: str, parts: dict) -> None:
         if "zero_point" in parts:
-            raise ValueError(f"checkpoint: {parts['zero_point'].key}: asymmetric INT4 (zero points); kt_ops reads "
-                             "symmetric INT4")
+            raise ValueError(f"checkpoint: {parts['zero_point'].key}: asymmetric quantization (zero points); kt_ops "
+                             "reads symmetric INT4 and FP8")
         if "packed" in parts:
             if "group_scale" not in parts:
                 raise ValueError(f"checkpoint: {parts['packed'].key} has no {name}_scale")
@@ -319,13 +323,13 @@ class _Plan:
             if "value" not in parts:
                 raise ValueError(f"checkpoint: {_names([r.key for r in parts.values()])} without the weight {name}")
             fp8 = parts["value"].dtype == "F8_E4M3"
-            if fp8 and "scale_inv" not in parts:
-                raise ValueError(f"checkpoint: {name} is float8_e4m3fn without {name}_scale_inv "
-                                 "(kt_ops reads FP8 weights with 128x128 block scales)")
-            if not fp8 and "scale_inv" in parts:
-                raise ValueError(f"checkpoint: {parts['scale_inv'].key} belongs to {name}, which is "
+            if fp8 and "fp8_scale" not in parts:
+                raise ValueError(f"checkpoint: {name} is float8_e4m3fn without {self.stored.fp8_scale_key(name)} "
+                                 "(kt_ops reads FP8 weights with their scales)")
+            if not fp8 and "fp8_scale" in parts:
+                raise ValueError(f"checkpoint: {parts['fp8_scale'].key} belongs to {name}, which is "
                                  f"{parts['value'].dtype}, not float8_e4m3fn")
-            expected = ("value", "scale_inv")
+            expected = ("value", "fp8_scale")
         extra = [r.key for role, r in parts.items() if role not in expected]
         if extra:
             raise ValueError(f"checkpoint: {_names(extra)}: not read with {name}")
@@ -425,7 +429,7 @@ class _Loader:
         parts = {role: self._read(ref, index if role == "value" else None, expert)
                  for role, ref in weight.sources[name].items()}
         matrix = StoredMatrix.from_parts(parts, name)
-        matrix.check(name)
+        matrix.check(name, self.plan.stored.fp8_scale_key(name) if "fp8_scale" in parts else None)
         return matrix
 
     def _value(self, weight: _Weight, name: str) -> torch.Tensor:
