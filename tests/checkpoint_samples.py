@@ -7,6 +7,8 @@
 * compressed-tensors float-quantized FP8 (llm-compressor's FP8_BLOCK / FP8_DYNAMIC / FP8: every
   linear ``X.weight`` float8_e4m3fn plus ``X.weight_scale`` per 128x128 block, per output channel
   or per tensor);
+* GPTQ symmetric INT4 without desc_act (Qwen3's GPTQ-Int4: ``qweight`` int32 ``[in/8, out]``,
+  ``qzeros``, fp16 ``scales [in/g, out]``, ``g_idx``), packed the way GPTQ packs (written out here);
 * compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking: the experts, symmetric, groups of
   32, ``weight_packed`` int32 / ``weight_scale`` bf16 / ``weight_shape``), packed the way
   compressed-tensors' ``pack_to_int32`` packs (written out here, not imported);
@@ -210,4 +212,55 @@ def write_int4(src: str, dst: str, reference: str, group_size: int = 32, also=r"
         return {key: pack_int4(t, group_size)[2].to(t.dtype) if pick(key) else t}
 
     rewrite(src, dst, int4, int4_config(group_size))
+    rewrite(src, reference, dequantized)
+
+
+def gptq_config(group_size: int = 32, checkpoint_format: str = "gptq") -> dict:
+    return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
+            "checkpoint_format": checkpoint_format, "damp_percent": 0.01, "static_groups": False,
+            "true_sequential": True}
+
+
+def _pack_int32(nibbles: torch.Tensor, dim: int) -> torch.Tensor:
+    """Eight 4-bit values along ``dim`` into one int32 each, value j at bits 4j (GPTQ's packing)."""
+    n = nibbles.to(torch.int64).movedim(dim, -1)
+    words = (n.reshape(*n.shape[:-1], -1, 8) << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()
+
+
+def pack_gptq(w: torch.Tensor, group_size: int, stored_zero: int = 7):
+    """GPTQ's symmetric 4-bit quantization of ``w [out, in]`` (scale = amax / 7.5 in fp16, q =
+    round(w / scale) + 8 in [0, 15]) in its checkpoint layout. Returns ({suffix: tensor},
+    q + 8 as [out, in], dequantized float32)."""
+    out, inp = w.shape
+    groups = w.float().reshape(out, inp // group_size, group_size)
+    scale = (groups.abs().amax(-1) / 7.5).clamp_min(1e-4).to(torch.float16)       # [out, in/g]
+    q = (torch.round(groups / scale.float()[..., None]) + 8).clamp(0, 15).reshape(out, inp)
+    dequantized = ((q - 8).reshape(out, inp // group_size, group_size) * scale.float()[..., None]).reshape(out, inp)
+    tensors = {".qweight": _pack_int32(q.t(), 0),                                          # [in/8, out]
+               ".qzeros": _pack_int32(torch.full((inp // group_size, out), stored_zero), 1),  # [in/g, out/8]
+               ".scales": scale.t().contiguous(),                                          # [in/g, out]
+               ".g_idx": (torch.arange(inp) // group_size).to(torch.int32)}
+    return tensors, q.to(torch.uint8), dequantized
+
+
+def write_gptq(src: str, dst: str, reference: str, group_size: int = 32, checkpoint_format: str = "gptq",
+               also=r"\.self_attn\.o_proj\.weight$") -> None:
+    """A GPTQ INT4 checkpoint of ``src`` (the routed experts, and the weights matching ``also``),
+    and its dequantized ``reference``."""
+    stored_zero = {"gptq": 7, "gptq_v2": 8}[checkpoint_format]
+
+    def pick(key):
+        return EXPERT_KEY.search(key) or (also and re.search(also, key))
+
+    def gptq(key, t):
+        if not pick(key):
+            return {key: t}
+        tensors, _, _ = pack_gptq(t, group_size, stored_zero)
+        return {key[: -len(".weight")] + suffix: v for suffix, v in tensors.items()}
+
+    def dequantized(key, t):
+        return {key: pack_gptq(t, group_size)[2].to(t.dtype) if pick(key) else t}
+
+    rewrite(src, dst, gptq, gptq_config(group_size, checkpoint_format))
     rewrite(src, reference, dequantized)

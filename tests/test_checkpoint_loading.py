@@ -3,8 +3,8 @@
 * float checkpoints (per expert as save_pretrained writes them, fused, sharded; fp32 and bf16):
   the same model as transformers' from_pretrained + patch_model (every tensor equal, LoRA
   included, equal logits), for Qwen3-MoE, DeepSeek-V3 and every covered family;
-* FP8 block, compressed-tensors FP8 (per block, per tensor, per channel) and compressed-tensors
-  INT4 checkpoints written by the tests: the logits of the float checkpoint of their dequantized
+* FP8 block, compressed-tensors FP8 (per block, per tensor, per channel), compressed-tensors
+  INT4 and GPTQ INT4 checkpoints written by the tests: the logits of the float checkpoint of their dequantized
   values; kept in their format they are copied as stored (the quantizer is never called, the
   bytes are the checkpoint's); requantized as asked;
 * what goes wrong is named: a missing expert, an extra tensor, a wrong shape, an FP8 weight
@@ -177,6 +177,49 @@ def test_compressed_tensors_int4_checkpoint(tmp_path, monkeypatch, expert_format
         assert_same_model(ours, ref)
 
 
+@pytest.mark.parametrize("expert_format,checkpoint_format", [("int4", "gptq"), ("int4", "gptq_v2"), (None, "gptq"),
+                                                              ("int8", "gptq")])
+def test_gptq_int4_checkpoint(tmp_path, monkeypatch, expert_format, checkpoint_format):
+    samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
+    samples.write_gptq(tmp_path / "float", tmp_path / "gptq", tmp_path / "dequantized",
+                       checkpoint_format=checkpoint_format)
+    if expert_format == "int4":
+        monkeypatch.setattr(quantization, "quantize", _no_quantize)  # the 4-bit values repacked, not requantized
+    ours = loaded(tmp_path / "gptq", expert_format=expert_format)
+    monkeypatch.undo()
+    ref = reference(tmp_path / "dequantized", torch.float32,
+                    expert_format=None if expert_format == "int4" else expert_format)
+    ids = samples.input_ids()
+    assert rel_err(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    name, kt = patched_experts(ours)[1]
+    if expert_format == "int4":
+        assert kt.group_size == 32  # the checkpoint's
+        weight = samples.tiny_qwen3_moe().state_dict()[f"{name}.gate_up_proj"][3, 32:]  # expert 3's up_proj
+        _, q, _ = samples.pack_gptq(weight, 32)
+        assert torch.equal(kt.up_proj[3], q[:, 0::2] | (q[:, 1::2] << 4))  # kt's bytes: column 2j low nibble
+        scales = _stored(tmp_path / "gptq", f"{name}.3.up_proj.scales")
+        assert kt.up_scale.dtype == torch.float32 and torch.equal(kt.up_scale[3], scales.t().float())
+    else:
+        assert_same_model(ours, ref)
+
+
+@pytest.mark.parametrize("edit,match", [
+    ("qzeros", r"up_proj\.qzeros: zero points other than the symmetric one \(7 stored\)"),
+    ("g_idx", r"up_proj\.g_idx reorders the input columns' groups"),
+])
+def test_gptq_asymmetric_or_reordered_is_named(float_checkpoint, tmp_path, edit, match):
+    samples.write_gptq(float_checkpoint, tmp_path / "gptq", tmp_path / "ref")
+    key = "model.layers.0.mlp.experts.1.up_proj." + edit
+
+    def change(k, t):
+        if k != key:
+            return {k: t}
+        return {k: t + 1 if edit == "qzeros" else t.flip(0)}
+    path = _edited(tmp_path / "gptq", tmp_path / "c", change, samples.gptq_config())
+    with pytest.raises(ValueError, match=match):
+        from_pretrained(path, progress=False, expert_format="int4")
+
+
 def test_int4_checkpoint_into_other_groups(tmp_path):
     samples.tiny_qwen3_moe(moe_intermediate_size=64).save_pretrained(tmp_path / "float")
     samples.write_int4(tmp_path / "float", tmp_path / "int4", tmp_path / "dequantized")
@@ -285,7 +328,12 @@ def _fp8_group(**changes):
 
 
 @pytest.mark.parametrize("config,match", [
-    ({"quant_method": "gptq", "bits": 4}, r"quant_method is 'gptq'"),
+    ({"quant_method": "awq", "bits": 4}, r"quant_method is 'awq'"),
+    ({**samples.gptq_config(), "sym": False}, r"quantization_config\.sym is False"),
+    ({**samples.gptq_config(), "desc_act": True}, r"quantization_config\.desc_act is True"),
+    ({**samples.gptq_config(), "bits": 8}, r"quantization_config\.bits is 8"),
+    ({**samples.gptq_config(), "group_size": -1}, r"quantization_config\.group_size is -1"),
+    ({**samples.gptq_config(), "checkpoint_format": "marlin"}, r"checkpoint_format is 'marlin'"),
     (_fp8_group(input_activations={"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}),
      r"config_groups\.g\.input_activations\.dynamic is False"),
     (_fp8_group(weights={"strategy": "group", "group_size": 128}), r"config_groups\.g\.weights\.strategy is 'group'"),

@@ -1,6 +1,6 @@
 """How a shipped checkpoint stores a weight matrix, and how to turn it into kt_ops' forms.
 
-Four storage forms, told apart by the config's ``quantization_config`` and the tensor names:
+Five storage forms, told apart by the config's ``quantization_config`` and the tensor names:
 
 ============================  ======================================  ====================================
 checkpoint                    tensors of one ``X.weight``             kt_ops form
@@ -19,6 +19,10 @@ compressed-tensors            ``X.weight_packed`` int32 ``[out, in/8]``  ``"int4
 ``pack-quantized`` INT4       ``X.weight_scale`` ``[out, in/g]``        little-endian bytes are kt's int4
 (symmetric, group ``g``;      ``X.weight_shape`` ``[2]``                bytes: value ``q + 8``, column
 Kimi-K2-Thinking)                                                     ``2j`` low nibble of byte ``j``)
+GPTQ INT4 (``quant_method:    ``X.qweight`` int32 ``[in/8, out]``        ``"int4"``: the same 4-bit values
+gptq``, ``sym``, no           ``X.qzeros`` int32 ``[in/g, out/8]``      (``q`` with zero point 8), repacked
+``desc_act``: Qwen3's         ``X.scales`` fp16 ``[in/g, out]``         along the input columns; the fp16
+GPTQ-Int4)                    ``X.g_idx`` int32 ``[in]``                scales exactly, as float32
 ============================  ======================================  ====================================
 
 Only weight quantization is read: kt_ops computes activations in the model's dtype (a
@@ -41,7 +45,13 @@ _ROLE_SUFFIXES = {
     ("fp8", "compressed-tensors"): ((".weight_scale", "fp8_scale"), (".weight_zero_point", "zero_point")),
     ("int4", "compressed-tensors"): ((".weight_packed", "packed"), (".weight_scale", "group_scale"),
                                      (".weight_shape", "shape"), (".weight_zero_point", "zero_point")),
+    ("int4", "gptq"): ((".qweight", "qweight"), (".qzeros", "qzeros"), (".scales", "gptq_scales"),
+                       (".g_idx", "g_idx")),
 }
+
+# GPTQ's stored zero point of symmetric 4-bit weights (2^3 = 8): its original checkpoint format
+# stores zero - 1, "gptq_v2" the zero itself.
+_GPTQ_STORED_ZERO = {"gptq": 7, "gptq_v2": 8}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,7 +60,8 @@ class CheckpointQuantization:
     plain float tensors)."""
     method: Optional[str] = None      # None, "fp8" or "int4"
     group_size: Optional[int] = None  # int4's input columns per scale
-    quant_method: Optional[str] = None  # the config's: "fp8" or "compressed-tensors" (how tensors are named)
+    quant_method: Optional[str] = None  # the config's: "fp8", "compressed-tensors" or "gptq" (how tensors are named)
+    gptq_stored_zero: Optional[int] = None  # what a GPTQ checkpoint's qzeros hold for symmetric weights
 
     @classmethod
     def from_config(cls, quantization_config) -> "CheckpointQuantization":
@@ -76,9 +87,12 @@ class CheckpointQuantization:
                 _check_compressed_tensors_fp8(qc)
                 return cls("fp8", quant_method=method)
             return cls("int4", _compressed_tensors_group_size(qc), quant_method=method)
+        if method == "gptq":
+            return cls("int4", _gptq_group_size(qc), quant_method=method,
+                       gptq_stored_zero=_GPTQ_STORED_ZERO[qc.get("checkpoint_format", "gptq")])
         raise ValueError(f"quantization_config.quant_method is {method!r}; kt_ops reads float checkpoints, "
-                         "'fp8' (128x128 block scales) and 'compressed-tensors' (pack-quantized INT4, "
-                         "float-quantized FP8)")
+                         "'fp8' (128x128 block scales), 'compressed-tensors' (pack-quantized INT4, "
+                         "float-quantized FP8) and 'gptq' (symmetric INT4)")
 
     def fp8_scale_key(self, weight_key: str) -> str:
         """The name of the FP8 scale tensor of ``X.weight``, as this checkpoint names it."""
@@ -140,6 +154,24 @@ def _check_compressed_tensors_fp8(qc: dict) -> None:
                              "'float-quantized'")
 
 
+def _gptq_group_size(qc: dict) -> int:
+    """The group size of a GPTQ config kt_ops reads: symmetric 4-bit weights, groups of
+    GROUP_SIZES input columns in order (no ``desc_act`` reordering), the original or v2
+    checkpoint format. ValueError naming the field otherwise."""
+    expected = {"bits": 4, "sym": True, "desc_act": False}
+    for field, value in expected.items():
+        if qc.get(field, value if field == "desc_act" else None) != value:
+            raise ValueError(f"quantization_config.{field} is {qc.get(field)!r}; kt_ops reads symmetric 4-bit GPTQ "
+                             f"weights with groups in column order ({field}={value!r})")
+    if qc.get("group_size") not in quantization.GROUP_SIZES:
+        raise ValueError(f"quantization_config.group_size is {qc.get('group_size')!r}; kt_ops' int4 groups are "
+                         f"{quantization.GROUP_SIZES}")
+    if qc.get("checkpoint_format", "gptq") not in _GPTQ_STORED_ZERO:
+        raise ValueError(f"quantization_config.checkpoint_format is {qc.get('checkpoint_format')!r}; kt_ops reads "
+                         f"GPTQ checkpoints {sorted(_GPTQ_STORED_ZERO)}")
+    return qc["group_size"]
+
+
 def _compressed_tensors_group_size(qc: dict) -> int:
     fmt = qc.get("format")
     groups = qc.get("config_groups") or {}
@@ -180,8 +212,10 @@ class StoredMatrix:
     scale: Optional[Tensor] = None
 
     @classmethod
-    def from_parts(cls, parts: dict[str, Tensor], name: str) -> "StoredMatrix":
+    def from_parts(cls, parts: dict[str, Tensor], name: str, gptq_stored_zero: Optional[int] = None) -> "StoredMatrix":
         """From the tensors of one weight, by role (see :meth:`CheckpointQuantization.split_role`)."""
+        if "qweight" in parts:
+            return cls._gptq(parts, name, gptq_stored_zero)
         if "packed" in parts:
             packed, scale = parts["packed"], parts["group_scale"]
             if packed.dtype != torch.int32 or packed.dim() != 2:
@@ -197,6 +231,35 @@ class StoredMatrix:
         if data.dtype == torch.float8_e4m3fn:
             return cls._fp8(data, parts["fp8_scale"])
         return cls(data)
+
+    @classmethod
+    def _gptq(cls, parts: dict[str, Tensor], name: str, stored_zero: int) -> "StoredMatrix":
+        """GPTQ's symmetric int4 in kt's layout. GPTQ packs eight input rows of one output column
+        into an int32 (row 8k + j at bits 4j), each the value q + 8; kt packs two input columns
+        of one output row into a byte (column 2j low nibble), each the same q + 8. ValueError
+        naming the tensor for zero points other than the symmetric one (asymmetric weights) or a
+        g_idx that reorders the groups (desc_act)."""
+        base = name[: -len(".weight")]
+        qweight, scales = parts["qweight"], parts["gptq_scales"]
+        if qweight.dtype != torch.int32 or qweight.dim() != 2 or scales.dim() != 2:
+            raise ValueError(f"{base}.qweight / .scales: expected int32 [in/8, out] and [in/g, out], got "
+                             f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
+        shifts = 4 * torch.arange(8, dtype=torch.int32)
+        nibbles = (qweight.unsqueeze(1) >> shifts[:, None]) & 0xF             # [in/8, 8, out]
+        values = nibbles.reshape(-1, qweight.shape[1]).t()                    # [out, in]: q + 8
+        data = (values[:, 0::2] | (values[:, 1::2] << 4)).to(torch.uint8).contiguous()
+        if "qzeros" in parts:
+            zeros = (parts["qzeros"].unsqueeze(-1) >> shifts) & 0xF
+            if not bool((zeros == stored_zero).all()):
+                raise ValueError(f"{base}.qzeros: zero points other than the symmetric one ({stored_zero} stored); "
+                                 "kt_ops reads symmetric INT4 (asymmetric GPTQ weights are not supported)")
+        inp = values.shape[1]
+        if "g_idx" in parts and scales.shape[0] and inp % scales.shape[0] == 0:
+            in_order = torch.arange(inp, dtype=torch.int64) // (inp // scales.shape[0])
+            if not torch.equal(parts["g_idx"].to(torch.int64), in_order):
+                raise ValueError(f"{base}.g_idx reorders the input columns' groups (desc_act); kt_ops reads groups "
+                                 "of consecutive columns")
+        return cls(data, "int4", scales.t().float().contiguous())  # fp16 scales: exact in float32
 
     @classmethod
     def _fp8(cls, data: Tensor, scale: Tensor) -> "StoredMatrix":

@@ -114,8 +114,10 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     (``quant_method: "fp8"``, ``weight_block_size [128, 128]``: DeepSeek-V3, Kimi-K2);
     compressed-tensors' float-quantized FP8 (llm-compressor's FP8_BLOCK, FP8_DYNAMIC and FP8
     schemes: one scale per 128x128 block, per output channel or per tensor; activation
-    quantization left out, kt_ops being weight-only); and compressed-tensors' pack-quantized
-    symmetric INT4 (Kimi-K2-Thinking). The routed experts end in ``expert_format``: copied as
+    quantization left out, kt_ops being weight-only); compressed-tensors' pack-quantized
+    symmetric INT4 (Kimi-K2-Thinking); and GPTQ's symmetric INT4 without ``desc_act`` (Qwen3's
+    GPTQ-Int4: the same 4-bit values repacked, its fp16 scales held exactly as float32). The
+    routed experts end in ``expert_format``: copied as
     stored when the checkpoint holds that format (FP8 blocks, or a tensor's one scale, as
     ``"fp8"``; INT4 as ``"int4"`` with the checkpoint's group size, the default then), else
     dequantized and cast to ``dtype`` (``expert_format=None``) or requantized (per-channel FP8
@@ -170,8 +172,11 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
 
     rank, _ = discover_rank(process_group)
     experts = {p: model.get_submodule(p) for p in plan.experts_paths}
+    # GPTQ's fp16 scales are held as float32 (exact; bf16, the int4 default, would round them).
+    copied = stored.quant_method == "gptq" and expert_format == "int4" and group_size == stored.group_size
+    exact_scales = torch.float32 if copied else None
     for kt in experts.values():
-        materialize_experts(kt, device)
+        materialize_experts(kt, device, scale_dtype=exact_scales)
     todo = [w for w in weights if w.slot is None or experts[w.slot.path].is_owner]
     _Loader(model, plan, experts, device).load(todo, progress=progress and rank == owner_rank)
 
@@ -313,7 +318,13 @@ class _Plan:
         if "zero_point" in parts:
             raise ValueError(f"checkpoint: {parts['zero_point'].key}: asymmetric quantization (zero points); kt_ops "
                              "reads symmetric INT4 and FP8")
-        if "packed" in parts:
+        if "qweight" in parts:
+            if "gptq_scales" not in parts:
+                raise ValueError(f"checkpoint: {parts['qweight'].key} has no {name[: -len('.weight')]}.scales")
+            if "value" in parts:
+                raise ValueError(f"checkpoint: {name} is stored both as GPTQ qweight and as {parts['value'].key}")
+            expected = ("qweight", "qzeros", "gptq_scales", "g_idx")
+        elif "packed" in parts:
             if "group_scale" not in parts:
                 raise ValueError(f"checkpoint: {parts['packed'].key} has no {name}_scale")
             if "value" in parts:
@@ -377,6 +388,9 @@ class _Plan:
 
 
 def _logical_shape(parts: dict) -> tuple:
+    if "qweight" in parts:  # GPTQ: [in/8, out]
+        words, out = parts["qweight"].shape
+        return (out, 8 * words)
     if "packed" in parts:
         out, words = parts["packed"].shape
         return (out, 8 * words)
@@ -428,7 +442,7 @@ class _Loader:
         name = name or weight.name
         parts = {role: self._read(ref, index if role == "value" else None, expert)
                  for role, ref in weight.sources[name].items()}
-        matrix = StoredMatrix.from_parts(parts, name)
+        matrix = StoredMatrix.from_parts(parts, name, self.plan.stored.gptq_stored_zero)
         matrix.check(name, self.plan.stored.fp8_scale_key(name) if "fp8_scale" in parts else None)
         return matrix
 

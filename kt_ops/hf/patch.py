@@ -199,19 +199,23 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     return kt
 
 
-def materialize_experts(kt: KTExperts, device: torch.device) -> None:
+def materialize_experts(kt: KTExperts, device: torch.device, scale_dtype: Optional[torch.dtype] = None) -> None:
     """Real storage for a :class:`KTExperts` that :func:`patch_model` patched from a model on the
     meta device (what :func:`kt_ops.hf.from_pretrained` builds): on the owner, the base expert
     tensors (and scales) are allocated uninitialised on the CPU for a loader to fill and the
     LoRA is initialised as patch_model initialises it on a real model (the same per-layer seed);
     on every rank the grad anchor and the expert-gradient norm move to ``device`` and the
-    gradient hooks are registered on the new tensors. Tensors already real are left alone."""
+    gradient hooks are registered on the new tensors. Tensors already real are left alone.
+    ``scale_dtype`` (float32 or bfloat16): the quantized experts' scales in that dtype instead of
+    the format's default (for a loader copying scales that bf16 cannot hold exactly)."""
     with torch.no_grad():
         if kt.is_owner:
             for name in _BASE_NAMES + _SCALE_NAMES:
                 p = getattr(kt, name, None)
                 if p is not None and p.device.type == "meta":
-                    setattr(kt, name, nn.Parameter(torch.empty_like(p, device="cpu"), requires_grad=p.requires_grad))
+                    dtype = scale_dtype if scale_dtype is not None and name in _SCALE_NAMES else p.dtype
+                    setattr(kt, name, nn.Parameter(torch.empty_like(p, device="cpu", dtype=dtype),
+                                                   requires_grad=p.requires_grad))
             if kt.lora_rank and kt.gate_lora_a.device.type == "meta":
                 _init_lora(kt, torch.device("cpu"), kt._lora_seed, on_meta=False)
         anchor = kt.grad_anchor
