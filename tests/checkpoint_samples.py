@@ -7,6 +7,8 @@
 * compressed-tensors float-quantized FP8 (llm-compressor's FP8_BLOCK / FP8_DYNAMIC / FP8: every
   linear ``X.weight`` float8_e4m3fn plus ``X.weight_scale`` per 128x128 block, per output channel
   or per tensor);
+* compressed-tensors int-quantized INT8 (W8A8: ``X.weight`` int8 and ``X.weight_scale`` per
+  output channel or per tensor);
 * GPTQ symmetric INT4 without desc_act (Qwen3's GPTQ-Int4: ``qweight`` int32 ``[in/8, out]``,
   ``qzeros``, fp16 ``scales [in/g, out]``, ``g_idx``), packed the way GPTQ packs (written out here);
 * compressed-tensors pack-quantized INT4 (Kimi-K2-Thinking: the experts, symmetric, groups of
@@ -167,6 +169,51 @@ def write_compressed_fp8(src: str, dst: str, reference: str, strategy: str) -> N
         return {key: quantize_compressed_fp8(t, strategy)[2].to(t.dtype) if picked(key, t) else t}
 
     rewrite(src, dst, fp8, compressed_fp8_config(strategy))
+    rewrite(src, reference, dequantized)
+
+
+def compressed_int8_config(strategy: str = "channel") -> dict:
+    """compressed-tensors' config of llm-compressor's W8A8 INT8 scheme (``channel``), or the
+    same with one scale per tensor."""
+    weights = {"num_bits": 8, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "observer": "minmax"}
+    acts = {"num_bits": 8, "type": "int", "symmetric": True, "dynamic": True, "strategy": "token"}
+    return {"quant_method": "compressed-tensors", "format": "int-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                          "output_activations": None, "format": "int-quantized"}},
+            "ignore": ["lm_head", "re:.*mlp.gate$"]}
+
+
+def quantize_compressed_int8(w: torch.Tensor, strategy: str):
+    """(int8 weight, scale, dequantized float32): scale = amax / 127 per row (bf16 ``[out, 1]``)
+    or for the tensor (float32 ``[1]``), q = round(w / scale)."""
+    w = w.float()
+    if strategy == "channel":
+        s = (w.abs().amax(dim=1, keepdim=True) / 127).clamp_min(1e-8).to(torch.bfloat16)
+        sf = s.float()
+    else:
+        s = (w.abs().amax() / 127).clamp_min(1e-8).reshape(1)
+        sf = s.reshape(1, 1)
+    q = torch.round(w / sf).clamp(-127, 127).to(torch.int8)
+    return q, s, q.float() * sf
+
+
+def write_compressed_int8(src: str, dst: str, reference: str, strategy: str = "channel") -> None:
+    """A compressed-tensors INT8 checkpoint of float checkpoint ``src`` (every 2-d linear weight
+    but the embeddings, head and routers), and its dequantized ``reference``."""
+    def picked(key, t):
+        return key.endswith(".weight") and t.dim() == 2 and not FP8_KEEP_FLOAT.search(key)
+
+    def int8(key, t):
+        if not picked(key, t):
+            return {key: t}
+        q, s, _ = quantize_compressed_int8(t, strategy)
+        return {key: q, key[: -len(".weight")] + ".weight_scale": s}
+
+    def dequantized(key, t):
+        return {key: quantize_compressed_int8(t, strategy)[2].to(t.dtype) if picked(key, t) else t}
+
+    rewrite(src, dst, int8, compressed_int8_config(strategy))
     rewrite(src, reference, dequantized)
 
 

@@ -4,9 +4,10 @@
   the same model as transformers' from_pretrained + patch_model (every tensor equal, LoRA
   included, equal logits), for Qwen3-MoE, DeepSeek-V3 and every covered family;
 * FP8 block, compressed-tensors FP8 (per block, per tensor, per channel), compressed-tensors
-  INT4 and GPTQ INT4 checkpoints written by the tests: the logits of the float checkpoint of their dequantized
-  values; kept in their format they are copied as stored (the quantizer is never called, the
-  bytes are the checkpoint's); requantized as asked;
+  INT8 (per channel, per tensor) and INT4, and GPTQ INT4 checkpoints written by the tests: the
+  logits of the float checkpoint of their dequantized values; kept in their format they are
+  copied as stored (the quantizer is never called, the bytes are the checkpoint's, GPTQ's
+  repacked); requantized as asked;
 * what goes wrong is named: a missing expert, an extra tensor, a wrong shape, an FP8 weight
   without its scale (or with a scale of no known shape), a quantization kt_ops does not read.
 """
@@ -153,6 +154,28 @@ def test_compressed_tensors_fp8_checkpoint(tmp_path, monkeypatch, strategy, expe
         scale = _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight_scale").float()
         assert torch.equal(kt.up_scale[2], scale if strategy == "block" else scale.expand_as(kt.up_scale[2]))
     else:  # dequantized, or requantized from the FP8 values: what patch_model makes of them
+        assert_same_model(ours, ref)
+
+
+@pytest.mark.parametrize("expert_format", ["int8", None, "int4"])
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_int8_checkpoint(tmp_path, monkeypatch, strategy, expert_format):
+    samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
+    samples.write_compressed_int8(tmp_path / "float", tmp_path / "int8", tmp_path / "dequantized", strategy)
+    if expert_format == "int8":
+        monkeypatch.setattr(quantization, "quantize", _no_quantize)
+    ours = loaded(tmp_path / "int8", expert_format=expert_format)
+    monkeypatch.undo()
+    ref = reference(tmp_path / "dequantized", torch.float32,
+                    expert_format=None if expert_format == "int8" else expert_format)
+    ids = samples.input_ids()
+    assert rel_err(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    name, kt = patched_experts(ours)[0]
+    if expert_format == "int8":
+        assert torch.equal(kt.gate_proj[1], _stored(tmp_path / "int8", f"{name}.1.gate_proj.weight"))
+        scale = _stored(tmp_path / "int8", f"{name}.1.gate_proj.weight_scale").float().reshape(-1)
+        assert torch.equal(kt.gate_scale[1], scale.expand_as(kt.gate_scale[1]))
+    else:
         assert_same_model(ours, ref)
 
 
@@ -340,7 +363,14 @@ def _fp8_group(**changes):
     (_fp8_group(weights={"block_structure": [64, 64]}), r"block_structure is \[64, 64\]"),
     (_fp8_group(weights={"num_bits": 4}), r"config_groups\.g\.weights\.num_bits is 4"),
     ({**samples.int4_config(), "config_groups": {**samples.int4_config()["config_groups"],
-      **_fp8_group()["config_groups"]}}, r"mix float \(\['g'\]\) and int \(\['group_0'\]\)"),
+      **_fp8_group()["config_groups"]}}, r"mix weight kinds \{'fp8': \['g'\], 'int4': \['group_0'\]\}"),
+    ({**samples.compressed_int8_config(), "config_groups": {"g": {
+        **samples.compressed_int8_config()["config_groups"]["group_0"],
+        "weights": {**samples.compressed_int8_config()["config_groups"]["group_0"]["weights"], "strategy": "group",
+                    "group_size": 128}}}}, r"config_groups\.g\.weights\.strategy is 'group'"),
+    ({**samples.compressed_int8_config(), "format": "pack-quantized", "config_groups": {"g": {
+        **samples.compressed_int8_config()["config_groups"]["group_0"], "format": "pack-quantized"}}},
+     r"config_groups\.g: format is 'pack-quantized'; kt_ops reads INT8 weights 'int-quantized'"),
     ({**samples.FP8_CONFIG, "weight_block_size": [64, 64]}, r"weight_block_size is \[64, 64\]"),
     ({**samples.int4_config(), "config_groups": {"g": {**samples.int4_config()["config_groups"]["group_0"],
       "weights": {**samples.int4_config()["config_groups"]["group_0"]["weights"], "symmetric": False}}}},

@@ -1,6 +1,6 @@
 """How a shipped checkpoint stores a weight matrix, and how to turn it into kt_ops' forms.
 
-Five storage forms, told apart by the config's ``quantization_config`` and the tensor names:
+Six storage forms, told apart by the config's ``quantization_config`` and the tensor names:
 
 ============================  ======================================  ====================================
 checkpoint                    tensors of one ``X.weight``             kt_ops form
@@ -15,6 +15,9 @@ compressed-tensors            ``X.weight`` float8_e4m3fn ``[out, in]``   ``block
 (llm-compressor's FP8_BLOCK,  ``block`` ``[ceil(out/128),             block's); ``channel``: dequantized
 FP8_DYNAMIC, FP8)             ceil(in/128)]``, ``channel`` ``[out,     (exactly), then cast or requantized
                               1]``, ``tensor`` ``[1]``                 like a float checkpoint
+compressed-tensors            ``X.weight`` int8 ``[out, in]``          ``"int8"`` as is (a tensor's one
+``int-quantized`` INT8        ``X.weight_scale`` ``[out, 1]`` or ``[1]``  scale is every row's)
+(W8A8: ``channel``, ``tensor``)
 compressed-tensors            ``X.weight_packed`` int32 ``[out, in/8]``  ``"int4"`` as is (the int32 words'
 ``pack-quantized`` INT4       ``X.weight_scale`` ``[out, in/g]``        little-endian bytes are kt's int4
 (symmetric, group ``g``;      ``X.weight_shape`` ``[2]``                bytes: value ``q + 8``, column
@@ -38,11 +41,13 @@ from torch import Tensor
 
 from kt_ops import quantization
 
-# Tensor-name suffixes that belong to a quantized ``X.weight``, per (method, quant_method). Both
-# FP8 scales are the multiplier (weight = q * scale), whatever DeepSeek's "_inv" suggests.
+# Tensor-name suffixes that belong to a quantized ``X.weight``, per (method, quant_method). A
+# "value_scale" is the scale of a weight stored as float8 or int8 values in ``X.weight``; every
+# scale is the multiplier (weight = q * scale), whatever DeepSeek's "_inv" suggests.
 _ROLE_SUFFIXES = {
-    ("fp8", "fp8"): ((".weight_scale_inv", "fp8_scale"),),
-    ("fp8", "compressed-tensors"): ((".weight_scale", "fp8_scale"), (".weight_zero_point", "zero_point")),
+    ("fp8", "fp8"): ((".weight_scale_inv", "value_scale"),),
+    ("fp8", "compressed-tensors"): ((".weight_scale", "value_scale"), (".weight_zero_point", "zero_point")),
+    ("int8", "compressed-tensors"): ((".weight_scale", "value_scale"), (".weight_zero_point", "zero_point")),
     ("int4", "compressed-tensors"): ((".weight_packed", "packed"), (".weight_scale", "group_scale"),
                                      (".weight_shape", "shape"), (".weight_zero_point", "zero_point")),
     ("int4", "gptq"): ((".qweight", "qweight"), (".qzeros", "qzeros"), (".scales", "gptq_scales"),
@@ -58,7 +63,7 @@ _GPTQ_STORED_ZERO = {"gptq": 7, "gptq_v2": 8}
 class CheckpointQuantization:
     """What ``config.quantization_config`` says about the stored weights (``method`` None:
     plain float tensors)."""
-    method: Optional[str] = None      # None, "fp8" or "int4"
+    method: Optional[str] = None      # None, "fp8", "int8" or "int4"
     group_size: Optional[int] = None  # int4's input columns per scale
     quant_method: Optional[str] = None  # the config's: "fp8", "compressed-tensors" or "gptq" (how tensors are named)
     gptq_stored_zero: Optional[int] = None  # what a GPTQ checkpoint's qzeros hold for symmetric weights
@@ -83,9 +88,13 @@ class CheckpointQuantization:
                                  "is weight-only and reads FP8 checkpoints with dynamic activation scales")
             return cls("fp8", quant_method="fp8")
         if method == "compressed-tensors":
-            if _compressed_tensors_kind(qc) == "fp8":
+            kind = _compressed_tensors_kind(qc)
+            if kind == "fp8":
                 _check_compressed_tensors_fp8(qc)
                 return cls("fp8", quant_method=method)
+            if kind == "int8":
+                _check_compressed_tensors_int8(qc)
+                return cls("int8", quant_method=method)
             return cls("int4", _compressed_tensors_group_size(qc), quant_method=method)
         if method == "gptq":
             return cls("int4", _gptq_group_size(qc), quant_method=method,
@@ -94,14 +103,14 @@ class CheckpointQuantization:
                          "'fp8' (128x128 block scales), 'compressed-tensors' (pack-quantized INT4, "
                          "float-quantized FP8) and 'gptq' (symmetric INT4)")
 
-    def fp8_scale_key(self, weight_key: str) -> str:
-        """The name of the FP8 scale tensor of ``X.weight``, as this checkpoint names it."""
+    def scale_key(self, weight_key: str) -> str:
+        """The name of the scale tensor of an FP8 or INT8 ``X.weight``, as this checkpoint names it."""
         suffix = ".weight_scale_inv" if self.quant_method == "fp8" else ".weight_scale"
         return weight_key[: -len(".weight")] + suffix if weight_key.endswith(".weight") else weight_key + "_scale"
 
     def split_role(self, key: str) -> tuple[str, str]:
         """``(the key of the weight it belongs to, role)``: ``"value"`` for a weight (or any
-        other tensor), else the quantization tensor's role (``fp8_scale``, ``packed``, ...)."""
+        other tensor), else the quantization tensor's role (``value_scale``, ``packed``, ...)."""
         for suffix, role in _ROLE_SUFFIXES.get((self.method, self.quant_method), ()):
             if key.endswith(suffix):
                 return key[: -len(suffix)] + ".weight", role
@@ -109,14 +118,18 @@ class CheckpointQuantization:
 
 
 def _compressed_tensors_kind(qc: dict) -> str:
-    """"fp8" when every config group quantizes weights to 8-bit floats, else "int4" (checked
-    field by field by _compressed_tensors_group_size); ValueError for a mix of the two."""
+    """"fp8" when every config group quantizes weights to 8-bit floats, "int8" to 8-bit ints,
+    else "int4" (then checked field by field by _compressed_tensors_group_size); ValueError
+    naming the groups of a mix."""
     groups = qc.get("config_groups") or {}
-    floats = {name: (g.get("weights") or {}).get("type") == "float" for name, g in groups.items()}
-    if any(floats.values()) and not all(floats.values()):
-        raise ValueError(f"quantization_config.config_groups mix float ({[n for n, f in floats.items() if f]}) and int "
-                         f"({[n for n, f in floats.items() if not f]}) weights; kt_ops reads one of them")
-    return "fp8" if floats and all(floats.values()) else "int4"
+    kinds = {}
+    for name, g in groups.items():
+        w = g.get("weights") or {}
+        kinds[name] = "fp8" if w.get("type") == "float" else "int8" if w.get("num_bits") == 8 else "int4"
+    if len(set(kinds.values())) > 1:
+        by_kind = {k: [n for n, v in kinds.items() if v == k] for k in sorted(set(kinds.values()))}
+        raise ValueError(f"quantization_config.config_groups mix weight kinds {by_kind}; kt_ops reads one of them")
+    return next(iter(kinds.values()), "int4")
 
 
 # compressed-tensors' FP8 weight strategies and the scale each stores (see StoredMatrix.from_parts).
@@ -152,6 +165,31 @@ def _check_compressed_tensors_fp8(qc: dict) -> None:
         if group.get("format", fmt) != "float-quantized":
             raise ValueError(f"{where}: format is {group.get('format', fmt)!r}; kt_ops reads FP8 weights "
                              "'float-quantized'")
+
+
+def _check_compressed_tensors_int8(qc: dict) -> None:
+    """ValueError naming the field of an int-quantized config group kt_ops cannot read: its
+    weights must be symmetric 8-bit ints per output channel or per tensor (kt's int8 holds one
+    scale per output channel), its activations unquantized or dynamic (left out, as for FP8)."""
+    fmt = qc.get("format")
+    for name, group in qc["config_groups"].items():
+        w = group.get("weights") or {}
+        where = f"quantization_config.config_groups.{name}"
+        for field, value in {"num_bits": 8, "type": "int", "symmetric": True}.items():
+            if w.get(field) != value:
+                raise ValueError(f"{where}.weights.{field} is {w.get(field)!r}; kt_ops reads symmetric 8-bit int "
+                                 f"weights ({field}={value!r})")
+        if w.get("strategy") not in ("channel", "tensor"):
+            raise ValueError(f"{where}.weights.strategy is {w.get('strategy')!r}; kt_ops reads INT8 weights with one "
+                             "scale per output channel ('channel') or per tensor ('tensor')")
+        acts = group.get("input_activations")
+        if acts is not None and not acts.get("dynamic"):
+            raise ValueError(f"{where}.input_activations.dynamic is {acts.get('dynamic')!r}; kt_ops is weight-only "
+                             "(activations stay in the model's dtype) and reads checkpoints whose activation "
+                             "scales are dynamic, not stored")
+        if group.get("format", fmt) != "int-quantized":
+            raise ValueError(f"{where}: format is {group.get('format', fmt)!r}; kt_ops reads INT8 weights "
+                             "'int-quantized'")
 
 
 def _gptq_group_size(qc: dict) -> int:
@@ -204,7 +242,7 @@ def _compressed_tensors_group_size(qc: dict) -> int:
 @dataclasses.dataclass
 class StoredMatrix:
     """One ``[out, in]`` weight as the checkpoint stores it: ``fmt`` None (a float tensor in
-    ``data``), ``"fp8"`` or ``"int4"`` (``data`` in kt_ops' layout of that format, ``scale``),
+    ``data``), ``"fp8"``, ``"int8"`` or ``"int4"`` (``data`` in kt_ops' layout of that format, ``scale``),
     or ``"fp8_rows"`` (float8_e4m3fn ``data`` with one scale per output row, ``scale [out]``:
     no kt_ops format holds it as is)."""
     data: Tensor
@@ -229,7 +267,11 @@ class StoredMatrix:
             return cls(data, "int4", scale)
         data = parts["value"]
         if data.dtype == torch.float8_e4m3fn:
-            return cls._fp8(data, parts["fp8_scale"])
+            return cls._fp8(data, parts["value_scale"])
+        if data.dtype == torch.int8:  # one scale per output row ([out, 1]) or for the tensor ([1]: every row's)
+            scale = parts["value_scale"]
+            scale = scale.reshape(1).expand(data.shape[0]) if scale.numel() == 1 else scale.reshape(-1)
+            return cls(data, "int8", scale.contiguous())
         return cls(data)
 
     @classmethod
@@ -302,8 +344,8 @@ class StoredMatrix:
         if self.fmt == "fp8":
             want = (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK))
             what = "one per 128x128 block, one per output row [out, 1] or one for the tensor [1]"
-        elif self.fmt == "fp8_rows":
-            want, what = (out,), "one per output row"
+        elif self.fmt in ("fp8_rows", "int8"):
+            want, what = (out,), "one per output row [out, 1] or one for the tensor [1]"
         else:
             g = inp // self.scale.shape[1] if self.scale.dim() == 2 and self.scale.shape[1] else 0
             want = (out, inp // g) if g in quantization.GROUP_SIZES and inp % g == 0 else None

@@ -113,16 +113,17 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     writes) or fused (``experts.gate_up_proj [E, 2I, H]``); FP8 block checkpoints
     (``quant_method: "fp8"``, ``weight_block_size [128, 128]``: DeepSeek-V3, Kimi-K2);
     compressed-tensors' float-quantized FP8 (llm-compressor's FP8_BLOCK, FP8_DYNAMIC and FP8
-    schemes: one scale per 128x128 block, per output channel or per tensor; activation
-    quantization left out, kt_ops being weight-only); compressed-tensors' pack-quantized
-    symmetric INT4 (Kimi-K2-Thinking); and GPTQ's symmetric INT4 without ``desc_act`` (Qwen3's
-    GPTQ-Int4: the same 4-bit values repacked, its fp16 scales held exactly as float32). The
-    routed experts end in ``expert_format``: copied as
-    stored when the checkpoint holds that format (FP8 blocks, or a tensor's one scale, as
-    ``"fp8"``; INT4 as ``"int4"`` with the checkpoint's group size, the default then), else
-    dequantized and cast to ``dtype`` (``expert_format=None``) or requantized (per-channel FP8
-    has no kt_ops format of its own: ``"fp8"`` requantizes it into blocks). Quantized
-    non-expert weights are dequantized to ``dtype``.
+    schemes: one scale per 128x128 block, per output channel or per tensor), int-quantized
+    INT8 (W8A8: one scale per output channel or per tensor) and pack-quantized symmetric INT4
+    (Kimi-K2-Thinking), their activation quantization left out (kt_ops is weight-only); and
+    GPTQ's symmetric INT4 without ``desc_act`` (Qwen3's GPTQ-Int4: the same 4-bit values
+    repacked, its fp16 scales held exactly as float32). The routed experts end in
+    ``expert_format``: copied as stored when the checkpoint holds that format (FP8 blocks, or
+    a tensor's one scale, as ``"fp8"``; INT8 as ``"int8"``; INT4 as ``"int4"`` with the
+    checkpoint's group size, the default then), else dequantized and cast to ``dtype``
+    (``expert_format=None``) or requantized (per-channel FP8 has no kt_ops format of its own:
+    ``"fp8"`` requantizes it into blocks). Quantized non-expert weights are dequantized to
+    ``dtype``.
 
     Memory: the finished model, plus one stored tensor in flight and at most
     :data:`~kt_ops.hf.shards.REMAP_BYTES` of mapped shard pages; non-owner ranks read only
@@ -333,14 +334,14 @@ class _Plan:
         else:
             if "value" not in parts:
                 raise ValueError(f"checkpoint: {_names([r.key for r in parts.values()])} without the weight {name}")
-            fp8 = parts["value"].dtype == "F8_E4M3"
-            if fp8 and "fp8_scale" not in parts:
-                raise ValueError(f"checkpoint: {name} is float8_e4m3fn without {self.stored.fp8_scale_key(name)} "
-                                 "(kt_ops reads FP8 weights with their scales)")
-            if not fp8 and "fp8_scale" in parts:
-                raise ValueError(f"checkpoint: {parts['fp8_scale'].key} belongs to {name}, which is "
-                                 f"{parts['value'].dtype}, not float8_e4m3fn")
-            expected = ("value", "fp8_scale")
+            stored_as = {"F8_E4M3": "float8_e4m3fn", "I8": "int8"}.get(parts["value"].dtype)  # values with a scale
+            if stored_as and "value_scale" not in parts:
+                raise ValueError(f"checkpoint: {name} is {stored_as} without {self.stored.scale_key(name)} "
+                                 "(kt_ops reads FP8 and INT8 weights with their scales)")
+            if not stored_as and "value_scale" in parts:
+                raise ValueError(f"checkpoint: {parts['value_scale'].key} belongs to {name}, which is "
+                                 f"{parts['value'].dtype}, not float8_e4m3fn or int8")
+            expected = ("value", "value_scale")
         extra = [r.key for role, r in parts.items() if role not in expected]
         if extra:
             raise ValueError(f"checkpoint: {_names(extra)}: not read with {name}")
@@ -443,7 +444,7 @@ class _Loader:
         parts = {role: self._read(ref, index if role == "value" else None, expert)
                  for role, ref in weight.sources[name].items()}
         matrix = StoredMatrix.from_parts(parts, name, self.plan.stored.gptq_stored_zero)
-        matrix.check(name, self.plan.stored.fp8_scale_key(name) if "fp8_scale" in parts else None)
+        matrix.check(name, self.plan.stored.scale_key(name) if "value_scale" in parts else None)
         return matrix
 
     def _value(self, weight: _Weight, name: str) -> torch.Tensor:
