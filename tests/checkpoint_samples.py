@@ -153,22 +153,30 @@ def quantize_compressed_fp8(w: torch.Tensor, strategy: str):
 
 
 def write_compressed_fp8(src: str, dst: str, reference: str, strategy: str) -> None:
-    """A compressed-tensors FP8 checkpoint of float checkpoint ``src`` (every 2-d linear weight
-    but the embeddings, head and routers), and in ``reference`` the float checkpoint of its
-    dequantized values."""
+    """A compressed-tensors FP8 checkpoint of float checkpoint ``src`` and its dequantized
+    ``reference`` (see _write_value_and_scale)."""
+    _write_value_and_scale(src, dst, reference, lambda t: quantize_compressed_fp8(t, strategy),
+                           compressed_fp8_config(strategy))
+
+
+def _write_value_and_scale(src: str, dst: str, reference: str, quantize, config: dict) -> None:
+    """Every 2-d linear weight of float checkpoint ``src`` but the embeddings, head and routers
+    as compressed-tensors stores 8-bit weights (``X.weight`` the values, ``X.weight_scale``),
+    ``quantize(t) -> (values, scale, dequantized)``, with ``config``; in ``reference`` the float
+    checkpoint of the dequantized values."""
     def picked(key, t):
         return key.endswith(".weight") and t.dim() == 2 and not FP8_KEEP_FLOAT.search(key)
 
-    def fp8(key, t):
+    def stored(key, t):
         if not picked(key, t):
             return {key: t}
-        q, s, _ = quantize_compressed_fp8(t, strategy)
+        q, s, _ = quantize(t)
         return {key: q, key[: -len(".weight")] + ".weight_scale": s}
 
     def dequantized(key, t):
-        return {key: quantize_compressed_fp8(t, strategy)[2].to(t.dtype) if picked(key, t) else t}
+        return {key: quantize(t)[2].to(t.dtype) if picked(key, t) else t}
 
-    rewrite(src, dst, fp8, compressed_fp8_config(strategy))
+    rewrite(src, dst, stored, config)
     rewrite(src, reference, dequantized)
 
 
@@ -199,22 +207,10 @@ def quantize_compressed_int8(w: torch.Tensor, strategy: str):
 
 
 def write_compressed_int8(src: str, dst: str, reference: str, strategy: str = "channel") -> None:
-    """A compressed-tensors INT8 checkpoint of float checkpoint ``src`` (every 2-d linear weight
-    but the embeddings, head and routers), and its dequantized ``reference``."""
-    def picked(key, t):
-        return key.endswith(".weight") and t.dim() == 2 and not FP8_KEEP_FLOAT.search(key)
-
-    def int8(key, t):
-        if not picked(key, t):
-            return {key: t}
-        q, s, _ = quantize_compressed_int8(t, strategy)
-        return {key: q, key[: -len(".weight")] + ".weight_scale": s}
-
-    def dequantized(key, t):
-        return {key: quantize_compressed_int8(t, strategy)[2].to(t.dtype) if picked(key, t) else t}
-
-    rewrite(src, dst, int8, compressed_int8_config(strategy))
-    rewrite(src, reference, dequantized)
+    """A compressed-tensors INT8 checkpoint of float checkpoint ``src`` and its dequantized
+    ``reference`` (see _write_value_and_scale)."""
+    _write_value_and_scale(src, dst, reference, lambda t: quantize_compressed_int8(t, strategy),
+                           compressed_int8_config(strategy))
 
 
 def int4_config(group_size: int = 32) -> dict:

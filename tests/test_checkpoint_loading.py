@@ -116,14 +116,10 @@ def test_deepseek_v3_with_lora_trains(tmp_path):
 def test_fp8_checkpoint(tmp_path, monkeypatch, expert_format, dtype):
     samples.tiny_deepseek_v3(dtype).save_pretrained(tmp_path / "float")
     samples.write_fp8(tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized")
-    if expert_format == "fp8":  # copied as stored: quantizing anything would be a detour
-        monkeypatch.setattr(quantization, "quantize", _no_quantize)
-    ours = loaded(tmp_path / "fp8", expert_format=expert_format, dtype=dtype)
-    monkeypatch.undo()
-    # kept as stored: against float experts holding its values; else what patch_model makes of them
-    ref = reference(tmp_path / "dequantized", dtype, expert_format=None if expert_format == "fp8" else expert_format)
-    ids = samples.input_ids()
-    assert rel_err(logits(ours, ids), logits(ref, ids)) <= TOL[dtype]
+    # kept as stored (quantizing anything would be a detour): against float experts holding its
+    # values; else what patch_model makes of them
+    ours, ref = _against_dequantized(monkeypatch, tmp_path / "fp8", tmp_path / "dequantized", expert_format,
+                                     kept=expert_format == "fp8", dtype=dtype)
     if expert_format == "fp8":
         name, kt = patched_experts(ours)[0]
         stored = _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight")
@@ -140,13 +136,8 @@ def test_compressed_tensors_fp8_checkpoint(tmp_path, monkeypatch, strategy, expe
     samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
     samples.write_compressed_fp8(tmp_path / "float", tmp_path / "fp8", tmp_path / "dequantized", strategy)
     as_stored = expert_format == "fp8" and strategy != "channel"  # per-channel scales fit no kt format
-    if as_stored:
-        monkeypatch.setattr(quantization, "quantize", _no_quantize)
-    ours = loaded(tmp_path / "fp8", expert_format=expert_format, dtype=dtype)
-    monkeypatch.undo()
-    ref = reference(tmp_path / "dequantized", dtype, expert_format=None if as_stored else expert_format)
-    ids = samples.input_ids()
-    assert rel_err(logits(ours, ids), logits(ref, ids)) <= TOL[dtype]
+    ours, ref = _against_dequantized(monkeypatch, tmp_path / "fp8", tmp_path / "dequantized", expert_format,
+                                     kept=as_stored, dtype=dtype)
     name, kt = patched_experts(ours)[1]
     if as_stored:
         stored = _stored(tmp_path / "fp8", f"{name}.2.up_proj.weight")
@@ -162,14 +153,8 @@ def test_compressed_tensors_fp8_checkpoint(tmp_path, monkeypatch, strategy, expe
 def test_compressed_tensors_int8_checkpoint(tmp_path, monkeypatch, strategy, expert_format):
     samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
     samples.write_compressed_int8(tmp_path / "float", tmp_path / "int8", tmp_path / "dequantized", strategy)
-    if expert_format == "int8":
-        monkeypatch.setattr(quantization, "quantize", _no_quantize)
-    ours = loaded(tmp_path / "int8", expert_format=expert_format)
-    monkeypatch.undo()
-    ref = reference(tmp_path / "dequantized", torch.float32,
-                    expert_format=None if expert_format == "int8" else expert_format)
-    ids = samples.input_ids()
-    assert rel_err(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    ours, ref = _against_dequantized(monkeypatch, tmp_path / "int8", tmp_path / "dequantized", expert_format,
+                                     kept=expert_format == "int8")
     name, kt = patched_experts(ours)[0]
     if expert_format == "int8":
         assert torch.equal(kt.gate_proj[1], _stored(tmp_path / "int8", f"{name}.1.gate_proj.weight"))
@@ -183,13 +168,9 @@ def test_compressed_tensors_int8_checkpoint(tmp_path, monkeypatch, strategy, exp
 def test_compressed_tensors_int4_checkpoint(tmp_path, monkeypatch, expert_format):
     samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
     samples.write_int4(tmp_path / "float", tmp_path / "int4", tmp_path / "dequantized")
-    if expert_format == "int4":
-        monkeypatch.setattr(quantization, "quantize", _no_quantize)  # no detour through bf16
-    ours = loaded(tmp_path / "int4", expert_format=expert_format)
-    monkeypatch.undo()
-    ref = reference(tmp_path / "dequantized", torch.float32, expert_format=None if expert_format == "int4" else expert_format)
-    ids = samples.input_ids()
-    assert rel_err(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    # int4: no detour through bf16
+    ours, ref = _against_dequantized(monkeypatch, tmp_path / "int4", tmp_path / "dequantized", expert_format,
+                                     kept=expert_format == "int4")
     name, kt = patched_experts(ours)[1]
     if expert_format == "int4":
         assert kt.group_size == 32  # the checkpoint's
@@ -206,14 +187,9 @@ def test_gptq_int4_checkpoint(tmp_path, monkeypatch, expert_format, checkpoint_f
     samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
     samples.write_gptq(tmp_path / "float", tmp_path / "gptq", tmp_path / "dequantized",
                        checkpoint_format=checkpoint_format)
-    if expert_format == "int4":
-        monkeypatch.setattr(quantization, "quantize", _no_quantize)  # the 4-bit values repacked, not requantized
-    ours = loaded(tmp_path / "gptq", expert_format=expert_format)
-    monkeypatch.undo()
-    ref = reference(tmp_path / "dequantized", torch.float32,
-                    expert_format=None if expert_format == "int4" else expert_format)
-    ids = samples.input_ids()
-    assert rel_err(logits(ours, ids), logits(ref, ids)) <= 1e-5
+    # int4: the 4-bit values repacked, not requantized
+    ours, ref = _against_dequantized(monkeypatch, tmp_path / "gptq", tmp_path / "dequantized", expert_format,
+                                     kept=expert_format == "int4")
     name, kt = patched_experts(ours)[1]
     if expert_format == "int4":
         assert kt.group_size == 32  # the checkpoint's
@@ -249,6 +225,21 @@ def test_int4_checkpoint_into_other_groups(tmp_path):
     ours = loaded(tmp_path / "int4", expert_format="int4", group_size=64)
     ref = reference(tmp_path / "dequantized", torch.float32, expert_format="int4", group_size=64)
     assert_same_model(ours, ref)
+
+
+def _against_dequantized(monkeypatch, stored, dequantized, expert_format, kept, dtype=torch.float32):
+    """Loads checkpoint ``stored`` into ``expert_format`` (with the quantizer forbidden when the
+    checkpoint's format is ``kept`` as stored) and checks its logits against transformers' load
+    of ``dequantized``, the float checkpoint of its values, + patch_model (float experts when
+    kept, else the same ``expert_format``). Returns (ours, that reference)."""
+    if kept:
+        monkeypatch.setattr(quantization, "quantize", _no_quantize)
+    ours = loaded(stored, expert_format=expert_format, dtype=dtype)
+    monkeypatch.undo()
+    ref = reference(dequantized, dtype, expert_format=None if kept else expert_format)
+    ids = samples.input_ids()
+    assert rel_err(logits(ours, ids), logits(ref, ids)) <= TOL[dtype]
+    return ours, ref
 
 
 def _no_quantize(*args, **kwargs):

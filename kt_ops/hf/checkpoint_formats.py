@@ -89,12 +89,9 @@ class CheckpointQuantization:
             return cls("fp8", quant_method="fp8")
         if method == "compressed-tensors":
             kind = _compressed_tensors_kind(qc)
-            if kind == "fp8":
-                _check_compressed_tensors_fp8(qc)
-                return cls("fp8", quant_method=method)
-            if kind == "int8":
-                _check_compressed_tensors_int8(qc)
-                return cls("int8", quant_method=method)
+            if kind in _COMPRESSED_8BIT:
+                _check_compressed_tensors_8bit(qc, kind)
+                return cls(kind, quant_method=method)
             return cls("int4", _compressed_tensors_group_size(qc), quant_method=method)
         if method == "gptq":
             return cls("int4", _gptq_group_size(qc), quant_method=method,
@@ -132,27 +129,33 @@ def _compressed_tensors_kind(qc: dict) -> str:
     return next(iter(kinds.values()), "int4")
 
 
-# compressed-tensors' FP8 weight strategies and the scale each stores (see StoredMatrix.from_parts).
-_FP8_STRATEGIES = ("block", "channel", "tensor")
+# What kt_ops reads of compressed-tensors' 8-bit weights, per kind: the weights' type, the
+# strategies (one scale per ... ; see StoredMatrix.from_parts) and the checkpoint format.
+_COMPRESSED_8BIT = {
+    "fp8": ("float", ("block", "channel", "tensor"), "float-quantized"),
+    "int8": ("int", ("channel", "tensor"), "int-quantized"),
+}
 
 
-def _check_compressed_tensors_fp8(qc: dict) -> None:
-    """ValueError naming the field of a float-quantized config group kt_ops cannot read: its
-    weights must be symmetric 8-bit floats (e4m3) per 128x128 block, per output channel or per
-    tensor, and its activations unquantized or quantized dynamically (kt_ops is weight-only, so
-    it leaves dynamic activation quantization out; static activation scales would be the
-    checkpoint's tensors it has no use for)."""
+def _check_compressed_tensors_8bit(qc: dict, kind: str) -> None:
+    """ValueError naming the field of a config group of 8-bit weights kt_ops cannot read: they
+    must be symmetric, FP8 (e4m3) per 128x128 block, per output channel or per tensor, INT8 per
+    output channel or per tensor (kt's int8 holds one scale per output channel), in the kind's
+    checkpoint format; activations unquantized or quantized dynamically (kt_ops is weight-only,
+    so it leaves dynamic activation quantization out; static activation scales would be
+    checkpoint tensors it has no use for)."""
+    wtype, strategies, wanted_format = _COMPRESSED_8BIT[kind]
     fmt = qc.get("format")
     for name, group in qc["config_groups"].items():
         w = group.get("weights") or {}
         where = f"quantization_config.config_groups.{name}"
-        for field, value in {"num_bits": 8, "type": "float", "symmetric": True}.items():
+        for field, value in {"num_bits": 8, "type": wtype, "symmetric": True}.items():
             if w.get(field) != value:
-                raise ValueError(f"{where}.weights.{field} is {w.get(field)!r}; kt_ops reads symmetric 8-bit float "
-                                 f"(e4m3) weights ({field}={value!r})")
-        if w.get("strategy") not in _FP8_STRATEGIES:
-            raise ValueError(f"{where}.weights.strategy is {w.get('strategy')!r}; kt_ops reads FP8 weights with "
-                             f"one of {_FP8_STRATEGIES}")
+                raise ValueError(f"{where}.weights.{field} is {w.get(field)!r}; kt_ops reads symmetric 8-bit {wtype} "
+                                 f"weights ({field}={value!r})")
+        if w.get("strategy") not in strategies:
+            raise ValueError(f"{where}.weights.strategy is {w.get('strategy')!r}; kt_ops reads {kind.upper()} weights "
+                             f"with one of {strategies}")
         block = w.get("block_structure")
         if w["strategy"] == "block" and (block is None or list(block) != [quantization.FP8_BLOCK] * 2):
             raise ValueError(f"{where}.weights.block_structure is {block!r}; kt_ops reads FP8 blocks of "
@@ -162,34 +165,9 @@ def _check_compressed_tensors_fp8(qc: dict) -> None:
             raise ValueError(f"{where}.input_activations.dynamic is {acts.get('dynamic')!r}; kt_ops is weight-only "
                              "(activations stay in the model's dtype) and reads checkpoints whose activation "
                              "scales are dynamic, not stored")
-        if group.get("format", fmt) != "float-quantized":
-            raise ValueError(f"{where}: format is {group.get('format', fmt)!r}; kt_ops reads FP8 weights "
-                             "'float-quantized'")
-
-
-def _check_compressed_tensors_int8(qc: dict) -> None:
-    """ValueError naming the field of an int-quantized config group kt_ops cannot read: its
-    weights must be symmetric 8-bit ints per output channel or per tensor (kt's int8 holds one
-    scale per output channel), its activations unquantized or dynamic (left out, as for FP8)."""
-    fmt = qc.get("format")
-    for name, group in qc["config_groups"].items():
-        w = group.get("weights") or {}
-        where = f"quantization_config.config_groups.{name}"
-        for field, value in {"num_bits": 8, "type": "int", "symmetric": True}.items():
-            if w.get(field) != value:
-                raise ValueError(f"{where}.weights.{field} is {w.get(field)!r}; kt_ops reads symmetric 8-bit int "
-                                 f"weights ({field}={value!r})")
-        if w.get("strategy") not in ("channel", "tensor"):
-            raise ValueError(f"{where}.weights.strategy is {w.get('strategy')!r}; kt_ops reads INT8 weights with one "
-                             "scale per output channel ('channel') or per tensor ('tensor')")
-        acts = group.get("input_activations")
-        if acts is not None and not acts.get("dynamic"):
-            raise ValueError(f"{where}.input_activations.dynamic is {acts.get('dynamic')!r}; kt_ops is weight-only "
-                             "(activations stay in the model's dtype) and reads checkpoints whose activation "
-                             "scales are dynamic, not stored")
-        if group.get("format", fmt) != "int-quantized":
-            raise ValueError(f"{where}: format is {group.get('format', fmt)!r}; kt_ops reads INT8 weights "
-                             "'int-quantized'")
+        if group.get("format", fmt) != wanted_format:
+            raise ValueError(f"{where}: format is {group.get('format', fmt)!r}; kt_ops reads {kind.upper()} weights "
+                             f"{wanted_format!r}")
 
 
 def _gptq_group_size(qc: dict) -> int:
