@@ -335,6 +335,22 @@ def test_compressed_fp8_scale_missing_or_misshapen_is_named(float_checkpoint, tm
         from_pretrained(path, progress=False)
 
 
+@pytest.mark.parametrize("fmt", ["int4", "int8"])
+def test_compressed_tensors_zero_point_is_named(float_checkpoint, tmp_path, fmt):
+    """A zero-point tensor (asymmetric weights) is refused even where the config says symmetric."""
+    write = samples.write_int4 if fmt == "int4" else samples.write_compressed_int8
+    write(float_checkpoint, tmp_path / "q", tmp_path / "ref")
+    config = samples.int4_config() if fmt == "int4" else samples.compressed_int8_config()
+    scale = "model.layers.1.mlp.experts.2.down_proj.weight_scale"
+
+    def add(k, t):
+        zero = {k.replace("_scale", "_zero_point"): torch.zeros_like(t, dtype=torch.int8)} if k == scale else {}
+        return {k: t, **zero}
+    path = _edited(tmp_path / "q", tmp_path / "c", add, config)
+    with pytest.raises(ValueError, match=r"down_proj\.weight_zero_point: asymmetric quantization \(zero points\)"):
+        from_pretrained(path, progress=False)
+
+
 def _fp8_group(**changes):
     group = samples.compressed_fp8_config("block")["config_groups"]["group_0"]
     weights = {**group["weights"], **changes.pop("weights", {})}

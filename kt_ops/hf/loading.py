@@ -318,7 +318,7 @@ class _Plan:
     def _check_parts(self, weight: _Weight, name: str, parts: dict) -> None:
         if "zero_point" in parts:
             raise ValueError(f"checkpoint: {parts['zero_point'].key}: asymmetric quantization (zero points); kt_ops "
-                             "reads symmetric INT4 and FP8")
+                             "reads symmetric weights")
         if "qweight" in parts:
             if "gptq_scales" not in parts:
                 raise ValueError(f"checkpoint: {parts['qweight'].key} has no {name[: -len('.weight')]}.scales")
