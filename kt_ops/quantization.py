@@ -90,9 +90,20 @@ def quantize(weight: Tensor, expert_format: str, group_size: Optional[int] = Non
     return data, scale
 
 
+def fp8_scale_grid(out: int, inp: int) -> tuple[int, int]:
+    """The fp8 scales of an ``[out, in]`` weight: one per 128x128 block, partial blocks included."""
+    return -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+
+
+def pack_int4(values: Tensor) -> Tensor:
+    """int4's stored bytes from ``values [out, in]`` holding q + 8 (0..15): column 2j in byte j's
+    low nibble, 2j + 1 in its high nibble."""
+    return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
 def _scale_shape(fmt: str, E: int, out: int, inp: int, group_size: Optional[int]) -> tuple:
     if fmt == "fp8":
-        return (E, -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK))
+        return (E, *fp8_scale_grid(out, inp))
     if fmt == "int8":
         return (E, out)
     return (E, out, inp // group_size)
@@ -107,7 +118,7 @@ def _safe_scale(amax: Tensor, fmt: str, scale_dtype: torch.dtype) -> Tensor:
 def _quantize_matrix(w: Tensor, fmt: str, group_size: Optional[int], scale_dtype: torch.dtype):
     out, inp = w.shape
     if fmt == "fp8":
-        ob, ib = -(-out // FP8_BLOCK), -(-inp // FP8_BLOCK)
+        ob, ib = fp8_scale_grid(out, inp)
         padded = F.pad(w, (0, ib * FP8_BLOCK - inp, 0, ob * FP8_BLOCK - out))
         amax = padded.abs().reshape(ob, FP8_BLOCK, ib, FP8_BLOCK).amax(dim=(1, 3))
         scale = _safe_scale(amax, fmt, scale_dtype)
@@ -121,7 +132,7 @@ def _quantize_matrix(w: Tensor, fmt: str, group_size: Optional[int], scale_dtype
     groups = w.reshape(out, inp // group_size, group_size)
     scale = _safe_scale(groups.abs().amax(dim=2), fmt, scale_dtype)
     q = (torch.round(groups / scale[:, :, None]).clamp(-8, 7) + 8).to(torch.uint8).reshape(out, inp)
-    return q[:, 0::2] | (q[:, 1::2] << 4), scale
+    return pack_int4(q), scale
 
 
 def dequantize(data: Tensor, scale: Tensor) -> Tensor:

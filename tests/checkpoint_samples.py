@@ -148,8 +148,9 @@ def quantize_compressed_fp8(w: torch.Tensor, strategy: str):
         return q, s, quantization.dequantize(q[None], s[None])[0]
     amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1)
     s = (amax / 448).clamp_min(1e-8).to(torch.bfloat16 if strategy == "channel" else torch.float32)
-    q = (w / (s.float() if strategy == "channel" else s.float().reshape(1, 1))).clamp(-448, 448).to(torch.float8_e4m3fn)
-    return q, s, q.float() * (s.float() if strategy == "channel" else s.float().reshape(1, 1))
+    sf = s.float().reshape(-1, 1)  # [out, 1] or [1, 1]
+    q = (w / sf).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return q, s, q.float() * sf
 
 
 def write_compressed_fp8(src: str, dst: str, reference: str, strategy: str) -> None:
@@ -222,6 +223,14 @@ def int4_config(group_size: int = 32) -> dict:
             "ignore": ["lm_head"]}
 
 
+def _pack_int32(nibbles: torch.Tensor, dim: int) -> torch.Tensor:
+    """Eight 4-bit values along ``dim`` into one int32 each, value j at bits 4j (compressed-tensors'
+    ``pack_to_int32`` along the input columns, GPTQ's along the input rows)."""
+    n = nibbles.to(torch.int64).movedim(dim, -1)
+    words = (n.reshape(*n.shape[:-1], -1, 8) << (4 * torch.arange(8))).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()
+
+
 def pack_int4(w: torch.Tensor, group_size: int):
     """compressed-tensors' symmetric group quantization and ``pack_to_int32``: q = round(w /
     scale) in [-8, 7] with scale = amax / 7.5 (bf16), stored q + 8, eight values per int32
@@ -231,10 +240,7 @@ def pack_int4(w: torch.Tensor, group_size: int):
     scale = (groups.abs().amax(-1) / 7.5).clamp_min(1e-6).to(torch.bfloat16)
     q = torch.round(groups / scale.float()[..., None]).clamp(-8, 7)
     dequantized = (q * scale.float()[..., None]).reshape(out, inp)
-    nibbles = (q.reshape(out, inp // 8, 8) + 8).to(torch.int64)
-    words = (nibbles << (4 * torch.arange(8))).sum(-1)
-    packed = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # the int32 bit pattern
-    return packed, scale, dequantized
+    return _pack_int32((q + 8).reshape(out, inp), 1), scale, dequantized
 
 
 def write_int4(src: str, dst: str, reference: str, group_size: int = 32, also=r"\.self_attn\.o_proj\.weight$") -> None:
@@ -262,13 +268,6 @@ def gptq_config(group_size: int = 32, checkpoint_format: str = "gptq") -> dict:
     return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "sym": True, "desc_act": False,
             "checkpoint_format": checkpoint_format, "damp_percent": 0.01, "static_groups": False,
             "true_sequential": True}
-
-
-def _pack_int32(nibbles: torch.Tensor, dim: int) -> torch.Tensor:
-    """Eight 4-bit values along ``dim`` into one int32 each, value j at bits 4j (GPTQ's packing)."""
-    n = nibbles.to(torch.int64).movedim(dim, -1)
-    words = (n.reshape(*n.shape[:-1], -1, 8) << (4 * torch.arange(8))).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).movedim(-1, dim).contiguous()
 
 
 def pack_gptq(w: torch.Tensor, group_size: int, stored_zero: int = 7):

@@ -264,16 +264,17 @@ class StoredMatrix:
         if qweight.dtype != torch.int32 or qweight.dim() != 2 or scales.dim() != 2:
             raise ValueError(f"{base}.qweight / .scales: expected int32 [in/8, out] and [in/g, out], got "
                              f"{qweight.dtype} {tuple(qweight.shape)} and {tuple(scales.shape)}")
-        shifts = 4 * torch.arange(8, dtype=torch.int32)
-        nibbles = (qweight.unsqueeze(1) >> shifts[:, None]) & 0xF             # [in/8, 8, out]
-        values = nibbles.reshape(-1, qweight.shape[1]).t()                    # [out, in]: q + 8
-        data = (values[:, 0::2] | (values[:, 1::2] << 4)).to(torch.uint8).contiguous()
+        # A little-endian word's byte k holds rows 8r + 2k (low nibble) and 8r + 2k + 1: kt's byte
+        # 4r + k of the column's row. So the repacking is a transpose of bytes.
+        words, out = qweight.shape
+        data = qweight.contiguous().view(torch.uint8).reshape(words, out, 4).transpose(0, 1).reshape(out, 4 * words)
+        data = data.contiguous()
         if "qzeros" in parts:
-            zeros = (parts["qzeros"].unsqueeze(-1) >> shifts) & 0xF
-            if not bool((zeros == stored_zero).all()):
+            zeros = parts["qzeros"].contiguous().view(torch.uint8)
+            if not bool(((zeros & 0xF) == stored_zero).all() and ((zeros >> 4) == stored_zero).all()):
                 raise ValueError(f"{base}.qzeros: zero points other than the symmetric one ({stored_zero} stored); "
                                  "kt_ops reads symmetric INT4 (asymmetric GPTQ weights are not supported)")
-        inp = values.shape[1]
+        inp = 8 * words
         if "g_idx" in parts and scales.shape[0] and inp % scales.shape[0] == 0:
             in_order = torch.arange(inp, dtype=torch.int64) // (inp // scales.shape[0])
             if not torch.equal(parts["g_idx"].to(torch.int64), in_order):
@@ -287,10 +288,10 @@ class StoredMatrix:
         tensor (every block's, exactly), or one per output row ("fp8_rows"). Any other shape
         stays "fp8" for check() to name."""
         out, inp = data.shape
-        if tuple(scale.shape) == (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK)):
+        grid = quantization.fp8_scale_grid(out, inp)
+        if tuple(scale.shape) == grid:
             return cls(data, "fp8", scale)
         if scale.numel() == 1:
-            grid = (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK))
             return cls(data, "fp8", scale.reshape(1, 1).expand(grid).contiguous())
         if tuple(scale.shape) in ((out, 1), (out,)):
             return cls(data, "fp8_rows", scale.reshape(out))
@@ -320,7 +321,7 @@ class StoredMatrix:
             return
         out, inp = self.shape
         if self.fmt == "fp8":
-            want = (-(-out // quantization.FP8_BLOCK), -(-inp // quantization.FP8_BLOCK))
+            want = quantization.fp8_scale_grid(out, inp)
             what = "one per 128x128 block, one per output row [out, 1] or one for the tensor [1]"
         elif self.fmt in ("fp8_rows", "int8"):
             want, what = (out,), "one per output row [out, 1] or one for the tensor [1]"
