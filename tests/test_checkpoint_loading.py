@@ -219,6 +219,20 @@ def test_gptq_asymmetric_or_reordered_is_named(float_checkpoint, tmp_path, edit,
         from_pretrained(path, progress=False, expert_format="int4")
 
 
+def test_compressed_tensors_int4_float32_scales_copied_exactly(tmp_path):
+    """Int4 scales stored in float32 are held in float32 (kt's bf16 default would round them)."""
+    samples.tiny_qwen3_moe().save_pretrained(tmp_path / "float")
+    samples.write_int4(tmp_path / "float", tmp_path / "int4", tmp_path / "dequantized")
+
+    def finer(k, t):  # float32 scales that bf16 cannot hold
+        return {k: t.float() * (1 + 2**-12) if k.endswith(".weight_scale") else t}
+    path = _edited(tmp_path / "int4", tmp_path / "f32", finer, samples.int4_config())
+    ours = from_pretrained(path, progress=False, expert_format="int4")
+    name, kt = patched_experts(ours)[1]
+    assert kt.down_scale.dtype == torch.float32
+    assert torch.equal(kt.down_scale[3], _stored(path, f"{name}.3.down_proj.weight_scale"))
+
+
 def test_int4_checkpoint_into_other_groups(tmp_path):
     samples.tiny_qwen3_moe(moe_intermediate_size=64).save_pretrained(tmp_path / "float")
     samples.write_int4(tmp_path / "float", tmp_path / "int4", tmp_path / "dequantized")

@@ -173,11 +173,9 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
 
     rank, _ = discover_rank(process_group)
     experts = {p: model.get_submodule(p) for p in plan.experts_paths}
-    # GPTQ's fp16 scales are held as float32 (exact; bf16, the int4 default, would round them).
-    copied = stored.quant_method == "gptq" and expert_format == "int4" and group_size == stored.group_size
-    exact_scales = torch.float32 if copied else None
+    scale_dtype = _copied_int4_scale_dtype(weights, stored, expert_format, group_size)
     for kt in experts.values():
-        materialize_experts(kt, device, scale_dtype=exact_scales)
+        materialize_experts(kt, device, scale_dtype=scale_dtype)
     todo = [w for w in weights if w.slot is None or experts[w.slot.path].is_owner]
     _Loader(model, plan, experts, device).load(todo, progress=progress and rank == owner_rank)
 
@@ -190,6 +188,18 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     _attach_generation_config(model, path)
     model.config.name_or_path = path
     return model.eval()
+
+
+def _copied_int4_scale_dtype(weights: list, stored: CheckpointQuantization, expert_format: Optional[str],
+                             group_size: Optional[int]) -> Optional[torch.dtype]:
+    """float32 when int4 experts are copied as stored and the checkpoint's expert scales are not
+    all bf16 (GPTQ's are fp16): kt's int4 scales default to bf16, which would round them. None
+    (the format's default) otherwise."""
+    if not (stored.method == "int4" and expert_format == "int4" and group_size == stored.group_size):
+        return None
+    dtypes = {ref.dtype for w in weights if w.slot is not None for parts in w.sources.values()
+              for role, ref in parts.items() if role in ("group_scale", "gptq_scales")}
+    return torch.float32 if dtypes - {"BF16"} else None
 
 
 def _build_model(config, dtype: torch.dtype) -> nn.Module:
