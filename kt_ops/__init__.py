@@ -4,9 +4,16 @@
 registers the Python parts (fault-reporting kernel wrappers, collectives, fake kernels,
 autograd formulas), after which ``torch.ops.kt.*`` are differentiable ops.
 """
+import os
+
 import torch  # noqa: F401  (the extension needs libtorch loaded first)
 
-from kt_ops import _C  # noqa: F401  (registers torch.ops.kt.* schemas and C++ kernels)
+if os.environ.get("KT_OPS_TEST_LIBRARY"):
+    # A test build of the native library in place of the installed one: the AVX-512 kernels emulated on CPUs
+    # without AVX-512 (tests/avx512_emulation.py).
+    torch.ops.load_library(os.environ["KT_OPS_TEST_LIBRARY"])
+else:
+    from kt_ops import _C  # noqa: F401  (registers torch.ops.kt.* schemas and C++ kernels)
 from kt_ops import _kernels  # noqa: F401
 from kt_ops import _autograd  # noqa: F401
 from kt_ops import meta_kernels  # noqa: F401

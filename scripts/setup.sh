@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON="${PYTHON:-python3}"
+# SIMDe's headers, for the tests' AVX-512 emulation on CPUs without it (tests/avx512_emulation.py);
+# header-only, never linked into the library.
+if [ ! -e /usr/include/simde/x86/avx512.h ] && command -v apt-get > /dev/null; then
+    SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    $SUDO apt-get install -y -q libsimde-dev > /dev/null || \
+        { $SUDO apt-get update -q > /dev/null && $SUDO apt-get install -y -q libsimde-dev > /dev/null; }
+fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check \
     torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel \

@@ -167,6 +167,7 @@ def test_bf16_moe_twenty_calls_in_a_row(isa, mode):
     release_packed_weights()
 
 
+@pytest.mark.onednn_bf16
 def test_onednn_capped_below_bf16_takes_the_avx512_bf16_path_away():
     """ONEDNN_MAX_CPU_ISA below AVX512_CORE_BF16 (the emulation recipe's AVX2) leaves oneDNN
     without native bf16 GEMMs and makes its bf16 weight reorder refuse: kt_ops then never takes

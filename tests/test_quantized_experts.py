@@ -362,6 +362,7 @@ def packed_bits(t):
     return t.contiguous().view(torch.int16)
 
 
+@pytest.mark.onednn_bf16
 @pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
 def test_packed_layout_is_probed_per_shape(isa):
     """oneDNN's layout of a packed [out, in] bf16 weight is found by probing (blocks of 16-64
@@ -376,6 +377,7 @@ def test_packed_layout_is_probed_per_shape(isa):
         assert torch.ops.kt._packed_layout(256, 2048) == []
 
 
+@pytest.mark.onednn_bf16
 @pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
 @pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
 @pytest.mark.parametrize("scale_dtype", [f32, bf16], ids=["fp32-scales", "bf16-scales"])
@@ -397,6 +399,7 @@ def test_packed_dequantization_equals_the_reference_and_the_dequantized_weights(
         assert got.isnan().any()
 
 
+@pytest.mark.onednn_bf16
 @pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
 @pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 32), ("int4", 128)],
                          ids=["fp8", "int8", "int4-g32", "int4-g128"])

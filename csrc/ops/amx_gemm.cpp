@@ -1,7 +1,6 @@
 #include "ops/amx_gemm.h"
 
 #include <cpuid.h>
-#include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -15,6 +14,7 @@
 #include "ops/dequantize_packed.h"
 #include "ops/packed_layout.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace {
@@ -31,6 +31,9 @@ constexpr int64_t kStepCols = 32;  // input columns per tile step (16 pairs)
 constexpr int64_t kTileValues = kTileRows * kStepCols;  // bf16 values of one 1 KiB tile
 
 bool probe_amx_bf16() {
+#ifdef KT_OPS_EMULATE_AVX512
+  return false;  // the emulated AVX-512 test build (x86_intrinsics.h) has no AMX
+#endif
   unsigned a = 0, b = 0, c = 0, d = 0;
   if (!__get_cpuid(1, &a, &b, &c, &d) || !((c >> 27) & 1)) return false;  // OSXSAVE
   if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;

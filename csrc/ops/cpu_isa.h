@@ -35,8 +35,15 @@ bool onednn_cap_excludes_amx();
 
 // Functions compiled for one path. AVX-512 implies AVX2 and FMA on every CPU that has it.
 #define KT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
+#ifndef KT_OPS_EMULATE_AVX512
 #define KT_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define KT_TARGET_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+#else
+// The test build that emulates AVX-512 (x86_intrinsics.h): the AVX-512 kernels compile for AVX2, so that
+// the compiler emits no AVX-512 instruction of its own in them.
+#define KT_TARGET_AVX512 KT_TARGET_AVX2
+#define KT_TARGET_AVX512_BF16 KT_TARGET_AVX2
+#endif
 
 }  // namespace kt

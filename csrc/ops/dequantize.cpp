@@ -9,10 +9,10 @@
 #include <algorithm>
 #include <type_traits>
 #include <vector>
-#include <immintrin.h>
 
 #include "ops/dequantize_internal.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace {

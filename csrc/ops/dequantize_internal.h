@@ -3,14 +3,13 @@
 // row's bytes, and the AVX-512 decoders of a row's values.
 #pragma once
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 
 #include "ops/cpu_isa.h"
 #include "ops/expert_weights.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace dequant {

@@ -1,11 +1,10 @@
 #include "ops/dequantize_packed.h"
 
-#include <immintrin.h>
-
 #include <vector>
 
 #include "ops/dequantize.h"
 #include "ops/dequantize_internal.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace {

@@ -66,6 +66,9 @@ const PackedBf16Layout* packed_bf16_layout(int64_t out, int64_t in) {
   static std::mutex mutex;
   static std::map<std::pair<int64_t, int64_t>, std::unique_ptr<PackedBf16Layout>> layouts;  // nullptr: none
   if (!native_bf16_gemms()) return nullptr;
+#ifdef KT_OPS_EMULATE_AVX512
+  return nullptr;  // oneDNN's bf16 reorder, which the probe runs, needs real AVX-512 (x86_intrinsics.h)
+#endif
   std::lock_guard<std::mutex> lock(mutex);
   const auto key = std::make_pair(out, in);
   auto it = layouts.find(key);

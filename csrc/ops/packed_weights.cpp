@@ -55,6 +55,9 @@ std::mutex cache_mutex;
 std::vector<Entry> cache;  // a handful of layers' weights: linear search is fine
 
 bool initial_packing_enabled() {
+#ifdef KT_OPS_EMULATE_AVX512
+  return false;  // oneDNN's bf16 reorder needs real AVX-512 (x86_intrinsics.h)
+#endif
   const char* env = std::getenv("KT_OPS_PACK_WEIGHTS");
   return !(env && std::string(env) == "0");
 }

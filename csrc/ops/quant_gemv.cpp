@@ -16,8 +16,6 @@
 // decode row. No function calls inside the row loops (see gemv_fp8_steps).
 #include "ops/quant_gemv.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -27,6 +25,7 @@
 #include "ops/dequantize.h"
 #include "ops/quant_gemv_internal.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace {

@@ -19,7 +19,6 @@
 // Tested against float64, against x rounded the same way in float64, and through quant_gemv_nt
 // against the reference loop of quant_gemv.cpp (tests/test_quant_gemv_int16.py,
 // tests/test_quantized_experts.py).
-#include <immintrin.h>
 
 #include <cmath>
 #include <memory>
@@ -28,6 +27,7 @@
 
 #include "ops/quant_gemv_internal.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace qgemv {

@@ -6,8 +6,6 @@
 
 #include <ATen/ATen.h>
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <cstdint>
 #include <cstdlib>
@@ -17,6 +15,7 @@
 #include "ops/cpu_isa.h"
 #include "ops/expert_weights.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace qgemv {

@@ -3,13 +3,12 @@
 // must only be called from) functions compiled for that path.
 #pragma once
 
-#include <immintrin.h>
-
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 
 #include "ops/cpu_isa.h"
+#include "ops/x86_intrinsics.h"
 
 // Full unrolling of the loops over a tile's accumulators (their bounds are template
 // constants). Without it GCC keeps the accumulator arrays on the stack and stores and reloads

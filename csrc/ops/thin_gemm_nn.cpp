@@ -18,14 +18,13 @@
 // added one by one.
 #include "ops/thin_gemm_nn.h"
 
-#include <immintrin.h>
-
 #include <algorithm>
 #include <vector>
 
 #include "ops/dequantize.h"
 #include "ops/quant_gemv_internal.h"
 #include "ops/simd.h"
+#include "ops/x86_intrinsics.h"
 
 namespace kt {
 namespace {

@@ -1,0 +1,173 @@
+// AVX-512 (F, BW, VL, DQ, BF16, VNNI) emulated on AVX2, for the test build of the kernels only
+// (KT_OPS_EMULATE_AVX512, built by tests/avx512_emulation.py with -mavx2 -mfma -mf16c). It lets the avx512 and
+// avx512_bf16 kernels run, and be compared with their reference loops, on CPUs without AVX-512, as CI's
+// often are. Never part of the library users build.
+//
+// SIMDe (Debian's libsimde-dev) provides most intrinsics under their own names (its "native aliases", switched
+// on here for the AVX-512 extensions only, so the AVX2 kernels keep the compiler's). The ones SIMDe 0.7 lacks
+// follow, lane by lane, as Intel's pseudocode defines them. Two differ from the hardware on purpose, within
+// what the kernels may rely on: _mm512_rcp14_ps is an exact reciprocal (the hardware's is within 2^-14), and
+// _mm512_reduce_add_ps adds in GCC's order (halves first), which the hardware leaves to the compiler anyway.
+#pragma once
+
+#ifndef KT_OPS_EMULATE_AVX512
+#error "avx512_emulation.h is for the emulated test build only (KT_OPS_EMULATE_AVX512)"
+#endif
+#if !defined(__AVX2__) || !defined(__FMA__) || !defined(__F16C__)
+#error "the emulated AVX-512 build needs -mavx2 -mfma -mf16c"
+#endif
+
+#define SIMDE_X86_AVX512F_ENABLE_NATIVE_ALIASES
+#define SIMDE_X86_AVX512BW_ENABLE_NATIVE_ALIASES
+#define SIMDE_X86_AVX512VL_ENABLE_NATIVE_ALIASES
+#define SIMDE_X86_AVX512DQ_ENABLE_NATIVE_ALIASES
+#define SIMDE_X86_AVX512BF16_ENABLE_NATIVE_ALIASES
+#define SIMDE_X86_AVX512VNNI_ENABLE_NATIVE_ALIASES
+#include <simde/x86/avx512.h>
+
+#include <cstdint>
+#include <cstring>
+
+namespace kt_avx512_emulation {
+
+// A vector's lanes as an array, and back: the vector types are plain bits.
+template <typename Lane, typename Vec>
+struct Lanes {
+  static constexpr int kCount = sizeof(Vec) / sizeof(Lane);
+  Lane v[kCount];
+  explicit Lanes(const Vec& vec) { std::memcpy(v, &vec, sizeof vec); }
+  Lanes() : v{} {}
+  Vec vec() const {
+    Vec out;
+    std::memcpy(&out, v, sizeof out);
+    return out;
+  }
+};
+
+// Widening and narrowing moves: lane i of the result is lane i of a, converted.
+template <typename To, typename ToVec, typename From, typename FromVec>
+inline ToVec convert_lanes(const FromVec& a) {
+  const Lanes<From, FromVec> in(a);
+  Lanes<To, ToVec> out;
+  static_assert(Lanes<To, ToVec>::kCount <= Lanes<From, FromVec>::kCount, "too few source lanes");
+  for (int i = 0; i < Lanes<To, ToVec>::kCount; ++i) out.v[i] = static_cast<To>(in.v[i]);
+  return out.vec();
+}
+
+// VCVTNEPS2BF16: round to nearest even; NaN stays NaN, quieted; denormal inputs become signed zero.
+inline uint16_t float_to_bf16_as_hardware(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  const uint32_t exponent = (bits >> 23) & 0xff, mantissa = bits & 0x7fffff;
+  if (exponent == 0) return static_cast<uint16_t>((bits >> 16) & 0x8000);
+  if (exponent == 0xff && mantissa != 0) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  return static_cast<uint16_t>((bits + 0x7fff + ((bits >> 16) & 1)) >> 16);
+}
+
+// Loads of the lanes whose mask bit is set, zero elsewhere; masked-off lanes are never read (the
+// hardware suppresses their faults, and the kernels rely on it at the ends of rows).
+template <typename Lane, typename Vec, typename Mask>
+inline Vec maskz_load(Mask k, const void* p) {
+  Lanes<Lane, Vec> out;
+  const Lane* src = static_cast<const Lane*>(p);
+  for (int i = 0; i < Lanes<Lane, Vec>::kCount; ++i) {
+    if ((k >> i) & 1) std::memcpy(&out.v[i], src + i, sizeof(Lane));
+  }
+  return out.vec();
+}
+
+inline simde__mmask32 cmpeq_epi16_mask(simde__m512i a, simde__m512i b) {
+  const Lanes<int16_t, simde__m512i> x(a), y(b);
+  uint32_t k = 0;
+  for (int i = 0; i < 32; ++i) k |= static_cast<uint32_t>(x.v[i] == y.v[i]) << i;
+  return k;
+}
+
+inline simde__m256bh cvtneps_pbh(simde__m512 a) {
+  const Lanes<float, simde__m512> in(a);
+  Lanes<uint16_t, simde__m256bh> out;
+  for (int i = 0; i < 16; ++i) out.v[i] = float_to_bf16_as_hardware(in.v[i]);
+  return out.vec();
+}
+
+// Lanes 0-15 from b, 16-31 from a.
+inline simde__m512bh cvtne2ps_pbh(simde__m512 a, simde__m512 b) {
+  const Lanes<float, simde__m512> hi(a), lo(b);
+  Lanes<uint16_t, simde__m512bh> out;
+  for (int i = 0; i < 16; ++i) {
+    out.v[i] = float_to_bf16_as_hardware(lo.v[i]);
+    out.v[16 + i] = float_to_bf16_as_hardware(hi.v[i]);
+  }
+  return out.vec();
+}
+
+// 16 halves, exactly (F16C's conversion, eight at a time).
+inline simde__m512 cvtph_ps(__m256i a) {
+  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(a));
+  const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(a, 1));
+  Lanes<float, simde__m512> out;
+  std::memcpy(out.v, &lo, sizeof lo);
+  std::memcpy(out.v + 8, &hi, sizeof hi);
+  return out.vec();
+}
+
+// VSHUFI32X4 / VSHUFI64X2 (the same without a mask): quarters 0-1 of the result from a, 2-3 from b, each picked
+// by two bits of imm.
+inline simde__m512i shuffle_128_bit_quarters(simde__m512i a, simde__m512i b, int imm) {
+  const Lanes<__m128i, simde__m512i> x(a), y(b);
+  Lanes<__m128i, simde__m512i> out;
+  for (int q = 0; q < 4; ++q) out.v[q] = (q < 2 ? x : y).v[(imm >> (2 * q)) & 3];
+  return out.vec();
+}
+
+inline simde__m512 rcp14_ps(simde__m512 a) {
+  Lanes<float, simde__m512> r(a);
+  for (float& x : r.v) x = 1.0f / x;
+  return r.vec();
+}
+
+inline float reduce_add_ps(simde__m512 a) {
+  Lanes<float, simde__m512> r(a);
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) r.v[i] += r.v[i + width];
+  }
+  return r.v[0];
+}
+
+}  // namespace kt_avx512_emulation
+
+// The intrinsics SIMDe 0.7 lacks, under their own names.
+#undef _mm512_cmpeq_epi16_mask
+#define _mm512_cmpeq_epi16_mask(a, b) kt_avx512_emulation::cmpeq_epi16_mask(a, b)
+#undef _mm512_cvtepi32_epi16
+#define _mm512_cvtepi32_epi16(a) (kt_avx512_emulation::convert_lanes<int16_t, __m256i, int32_t, simde__m512i>(a))
+#undef _mm512_cvtepi32_ps
+#define _mm512_cvtepi32_ps(a) (kt_avx512_emulation::convert_lanes<float, simde__m512, int32_t, simde__m512i>(a))
+#undef _mm512_cvtepi8_epi32
+#define _mm512_cvtepi8_epi32(a) (kt_avx512_emulation::convert_lanes<int32_t, simde__m512i, int8_t, __m128i>(a))
+#undef _mm512_cvtepu8_epi32
+#define _mm512_cvtepu8_epi32(a) (kt_avx512_emulation::convert_lanes<int32_t, simde__m512i, uint8_t, __m128i>(a))
+#undef _mm512_cvtepu8_epi16
+#define _mm512_cvtepu8_epi16(a) (kt_avx512_emulation::convert_lanes<int16_t, simde__m512i, uint8_t, __m256i>(a))
+#undef _mm512_cvtepu16_epi32
+#define _mm512_cvtepu16_epi32(a) (kt_avx512_emulation::convert_lanes<int32_t, simde__m512i, uint16_t, __m256i>(a))
+#undef _mm512_cvtneps_pbh
+#define _mm512_cvtneps_pbh(a) kt_avx512_emulation::cvtneps_pbh(a)
+#undef _mm512_cvtne2ps_pbh
+#define _mm512_cvtne2ps_pbh(a, b) kt_avx512_emulation::cvtne2ps_pbh(a, b)
+#undef _mm512_cvtph_ps
+#define _mm512_cvtph_ps(a) kt_avx512_emulation::cvtph_ps(a)
+#undef _mm512_maskz_loadu_epi16
+#define _mm512_maskz_loadu_epi16(k, p) (kt_avx512_emulation::maskz_load<int16_t, simde__m512i>(k, p))
+#undef _mm256_maskz_loadu_epi16
+#define _mm256_maskz_loadu_epi16(k, p) (kt_avx512_emulation::maskz_load<int16_t, __m256i>(k, p))
+#undef _mm512_maskz_loadu_ps
+#define _mm512_maskz_loadu_ps(k, p) (kt_avx512_emulation::maskz_load<float, simde__m512>(k, p))
+#undef _mm512_rcp14_ps
+#define _mm512_rcp14_ps(a) kt_avx512_emulation::rcp14_ps(a)
+#undef _mm512_reduce_add_ps
+#define _mm512_reduce_add_ps(a) kt_avx512_emulation::reduce_add_ps(a)
+#undef _mm512_shuffle_i32x4
+#define _mm512_shuffle_i32x4(a, b, imm) kt_avx512_emulation::shuffle_128_bit_quarters(a, b, imm)
+#undef _mm512_shuffle_i64x2
+#define _mm512_shuffle_i64x2(a, b, imm) kt_avx512_emulation::shuffle_128_bit_quarters(a, b, imm)

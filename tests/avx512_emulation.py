@@ -1,0 +1,58 @@
+"""The test build of kt_ops' native library that runs the avx512 and avx512_bf16 kernels on CPUs
+without AVX-512 (csrc/ops/avx512_emulation.h: SIMDe's AVX-512 intrinsics over AVX2), so that every
+path's kernels are checked against their reference loops whatever CPU runs the tests.
+
+It is the same sources compiled with -DKT_OPS_EMULATE_AVX512 -mavx2 -mfma -mf16c into
+build/avx512_emulated/ (ninja rebuilds only what changed), at -O1: SIMDe's inlined emulation makes
+-O3 builds half again as slow, and these kernels are only checked, never timed. A process uses it in place of kt_ops._C
+when KT_OPS_TEST_LIBRARY names it; both cannot share a process, as both register torch.ops.kt.
+
+    .venv/bin/python tests/avx512_emulation.py            # build; prints the library's path
+    KT_OPS_TEST_LIBRARY=$(that path) .venv/bin/python -m pytest tests/test_cpu_kernels.py -k avx512
+"""
+import glob
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BUILD_DIR = os.path.join(ROOT, "build", "avx512_emulated")
+NAME = "kt_ops_avx512_emulated"
+SIMDE_HEADER = "/usr/include/simde/x86/avx512.h"  # Debian's libsimde-dev (scripts/setup.sh installs it)
+FLAGS = ["-O1", "-fopenmp", "-mavx2", "-mfma", "-mf16c", "-DKT_OPS_EMULATE_AVX512",
+         "-Wno-ignored-attributes", "-Wno-psabi"]
+
+
+def library_path() -> str:
+    return os.path.join(BUILD_DIR, NAME + ".so")
+
+
+def build() -> str:
+    """Builds (or brings up to date) the emulated library in a child process, since building loads
+    it and it must not be loaded beside kt_ops._C; returns its path. Raises with the compiler's
+    output on failure."""
+    if not os.path.exists(SIMDE_HEADER):
+        raise RuntimeError(f"the AVX-512 emulation needs SIMDe ({SIMDE_HEADER}): apt-get install libsimde-dev "
+                           "(scripts/setup.sh does)")
+    proc = subprocess.run([sys.executable, __file__, "--in-child"], cwd=ROOT, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"building the AVX-512 emulation failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-6000:]}")
+    return library_path()
+
+
+def _build_here() -> None:
+    from torch.utils.cpp_extension import load
+
+    os.makedirs(BUILD_DIR, exist_ok=True)
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc/ops/*.cpp"))) + \
+        sorted(glob.glob(os.path.join(ROOT, "meta_kernels/*.cpp")))
+    load(name=NAME, sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
+         extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=BUILD_DIR,
+         is_python_module=False)
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--in-child"]:
+        _build_here()
+    else:
+        print(build())
