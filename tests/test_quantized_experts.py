@@ -399,6 +399,51 @@ def test_packed_dequantization_equals_the_reference_and_the_dequantized_weights(
         assert got.isnan().any()
 
 
+def layout_order(dense, out_block, in_block):
+    """A [out, in] matrix's values in the packed family's order (packed_layout.h): blocks of
+    out_block rows by in_block columns, column pairs, rows side by side."""
+    out, inp = dense.shape
+    o = torch.arange(out).view(-1, 1)
+    i = torch.arange(inp).view(1, -1)
+    offset = ((o // out_block) * (inp * out_block) + (i // in_block) * (in_block * out_block)
+              + ((i % in_block) // 2) * (out_block * 2) + (o % out_block) * 2 + (i % 2))
+    flat = torch.empty(out * inp, dtype=dense.dtype)
+    flat[offset.reshape(-1)] = dense.reshape(-1)
+    assert offset.unique().numel() == out * inp  # a permutation
+    return flat
+
+
+@pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("scale_dtype", [f32, bf16], ids=["fp32-scales", "bf16-scales"])
+def test_packed_dequantization_kernels_on_every_layout_of_the_family(isa, fmt, group, scale_dtype):
+    """The same kernels into a plain buffer in each layout the probe may find (blocks of 64, 32
+    or 16 rows; all the columns or 32-128 of them), without oneDNN, so that they are checked on
+    every layout and on CPUs whose oneDNN cannot pack bf16: the AVX512-BF16 kernels give the
+    reference loop's bits, and those are the bf16-rounded dequantized weights in layout order."""
+    data, scale = raw_weight(fmt, group, 256, 384, scale_dtype, seed=23)
+    want = python_dequantize(data, scale).to(bf16)
+    cases = [(False, 64, 128, want[64:192], [(64, 384), (32, 128), (16, 32), (64, 64)]),
+             (True, 128, 256, want[:, 128:].t(), [(64, 256), (32, 128), (16, 32)])]
+    for transposed, start, count, expect, layouts in cases:
+        for out_block, in_block in layouts:
+            what = f"transposed={transposed} blocks {out_block}x{in_block}"
+            got = torch.ops.kt._dequantize_into_layout(data, scale, transposed, start, count, out_block, in_block, isa)
+            ref = torch.ops.kt._dequantize_into_layout(data, scale, transposed, start, count, out_block, in_block,
+                                                      "portable")
+            assert torch.equal(packed_bits(got), packed_bits(ref)), what
+            torch.testing.assert_close(got, layout_order(expect, out_block, in_block), rtol=0, atol=0,
+                                       equal_nan=True, msg=what)
+    if fmt == "fp8":
+        assert got.isnan().any()
+
+
+def test_dequantize_into_layout_refuses_blocks_that_do_not_tile():
+    data, scale = raw_weight("int8", None, 64, 128, f32, seed=1)
+    with pytest.raises(ValueError, match="out_block must be a multiple of 16 dividing 64 and in_block one of 32"):
+        torch.ops.kt._dequantize_into_layout(data, scale, False, 0, 64, 48, 32, "portable")
+
+
 @pytest.mark.onednn_bf16
 @pytest.mark.parametrize("isa", [isa_param("avx512_bf16")])
 @pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 32), ("int4", 128)],

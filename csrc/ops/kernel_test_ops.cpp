@@ -103,6 +103,34 @@ at::Tensor dequantize_packed_op(const at::Tensor& weight, const at::Tensor& scal
   return dense ? packed.to_dense() : packed;
 }
 
+// The same kernels into a plain buffer in a given layout of the family (out_block, in_block), without oneDNN:
+// what tests use to check the kernels on every layout, and on CPUs whose oneDNN cannot pack bf16 (the AVX-512
+// emulation). Returns the buffer [out * in] in layout order.
+at::Tensor dequantize_into_layout_op(const at::Tensor& weight, const at::Tensor& scale, bool transposed,
+                                     int64_t start, int64_t count, int64_t out_block, int64_t in_block,
+                                     const std::string& isa) {
+  const WeightMatrix w = quantized_matrix(weight, scale);
+  const CpuIsa path = parse_cpu_isa(isa, "isa");
+  const int64_t out = count, in = transposed ? w.rows : w.cols;
+  TORCH_CHECK_VALUE(start >= 0 && count > 0 && start + count <= (transposed ? w.cols : w.rows),
+                    "_dequantize_into_layout: rows [start, start + count) out of range");
+  TORCH_CHECK_VALUE(start % (transposed ? kFp8Block : 16) == 0 && (!transposed || count % 32 == 0),
+                    "_dequantize_into_layout: start must be a multiple of ", transposed ? kFp8Block : 16,
+                    transposed ? " and count of 32" : "");
+  TORCH_CHECK_VALUE(out_block % 16 == 0 && out % out_block == 0 && in_block % 32 == 0 && in % in_block == 0,
+                    "_dequantize_into_layout: out_block must be a multiple of 16 dividing ", out,
+                    " and in_block one of 32 dividing ", in, ", got ", out_block, " and ", in_block);
+  const PackedBf16Layout layout{out, in, out_block, in_block};
+  at::Tensor dst = at::empty({out * in}, weight.options().dtype(at::kBFloat16));
+  auto* data = reinterpret_cast<uint16_t*>(dst.mutable_data_ptr());
+  if (transposed) {
+    dequantize_packed_cols(w, start, layout, data, path);
+  } else {
+    dequantize_packed_rows(w, start, layout, data, path);
+  }
+  return dst;
+}
+
 std::vector<int64_t> packed_layout_op(int64_t out, int64_t in) {
   const PackedBf16Layout* l = packed_bf16_layout(out, in);
   if (l == nullptr) return {};
@@ -227,6 +255,7 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_panel_mm_nn", &panel_mm_nn_op);
   m.impl("_dequantize", &dequantize_op);
   m.impl("_dequantize_packed", &dequantize_packed_op);
+  m.impl("_dequantize_into_layout", &dequantize_into_layout_op);
   m.impl("_quant_gemv_nt", &quant_gemv_op);
   m.impl("_quant_gemv_int16", &quant_gemv_int16_op);
   m.impl("_quant_mm_nt", &quant_mm_nt_op);

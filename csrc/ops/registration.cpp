@@ -120,6 +120,9 @@ TORCH_LIBRARY(kt, m) {
   m.def("_dequantize_packed(Tensor weight, Tensor scale, bool transposed, int start, int count, str isa, "
         "bool dense=True) -> Tensor");
   m.def("_packed_layout(int out_features, int in_features) -> int[]");
+  // The same kernels into a plain buffer in a given layout of that family, without oneDNN.
+  m.def("_dequantize_into_layout(Tensor weight, Tensor scale, bool transposed, int start, int count, "
+        "int out_block, int in_block, str isa) -> Tensor");
   m.def("_quant_gemm_path(ScalarType dtype) -> str");
   m.def("_quant_gemv_nt(Tensor x, Tensor weight, Tensor scale, str isa) -> Tensor");
   // The avx2 integer-dot-product decode kernel alone (float32 x holding bf16 values): its float32
