@@ -9,8 +9,10 @@ PYTHON="${PYTHON:-python3}"
 # header-only, never linked into the library.
 if [ ! -e /usr/include/simde/x86/avx512.h ] && command -v apt-get > /dev/null; then
     SUDO=""; [ "$(id -u)" = 0 ] || SUDO="sudo"
+    export DEBIAN_FRONTEND=noninteractive
     $SUDO apt-get install -y -q libsimde-dev > /dev/null || \
-        { $SUDO apt-get update -q > /dev/null && $SUDO apt-get install -y -q libsimde-dev > /dev/null; }
+        { $SUDO apt-get update -q > /dev/null && $SUDO apt-get install -y -q libsimde-dev > /dev/null; } || \
+        echo "setup.sh: could not install libsimde-dev; tests/test_avx512_emulation.py fails until it is" >&2
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -q --disable-pip-version-check \

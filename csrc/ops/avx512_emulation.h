@@ -1,11 +1,12 @@
-// AVX-512 (F, BW, VL, DQ, BF16, VNNI) emulated on AVX2, for the test build of the kernels only
+// AVX-512 (F, BW, VL, DQ, BF16, VNNI) and AMX-BF16's tiles emulated on AVX2, for the test build of the kernels only
 // (KT_OPS_EMULATE_AVX512, built by tests/avx512_emulation.py with -mavx2 -mfma -mf16c). It lets the avx512 and
 // avx512_bf16 kernels run, and be compared with their reference loops, on CPUs without AVX-512, as CI's
 // often are. Never part of the library users build.
 //
 // SIMDe (Debian's libsimde-dev) provides most intrinsics under their own names (its "native aliases", switched
 // on here for the AVX-512 extensions only, so the AVX2 kernels keep the compiler's). The ones SIMDe 0.7 lacks
-// follow, lane by lane, as Intel's pseudocode defines them. Two differ from the hardware on purpose, within
+// follow, lane by lane, as Intel's pseudocode defines them, and so do the AMX tile instructions (a thread's
+// eight tiles as plain memory; SIMDe has no AMX). Two differ from the hardware on purpose, within
 // what the kernels may rely on: _mm512_rcp14_ps is an exact reciprocal (the hardware's is within 2^-14), and
 // _mm512_reduce_add_ps adds in GCC's order (halves first), which the hardware leaves to the compiler anyway.
 #pragma once
@@ -134,6 +135,71 @@ inline float reduce_add_ps(simde__m512 a) {
   return r.v[0];
 }
 
+// ---- AMX-BF16 tiles (amx_gemm.cpp): eight 1 KiB tiles of 16 rows of 64 bytes per thread ------------------
+
+struct TileState {
+  uint8_t rows[8] = {};
+  uint16_t colsb[8] = {};
+  alignas(64) uint8_t data[8][1024] = {};
+};
+
+inline TileState& tile_state() {
+  thread_local TileState state;
+  return state;
+}
+
+// LDTILECFG's 64-byte layout: palette, start row, 14 reserved bytes, colsb[16] (uint16), rows[16].
+inline void tile_loadconfig(const void* config) {
+  const uint8_t* c = static_cast<const uint8_t*>(config);
+  TileState& s = tile_state();
+  for (int t = 0; t < 8; ++t) {
+    std::memcpy(&s.colsb[t], c + 16 + 2 * t, 2);
+    s.rows[t] = c[48 + t];
+  }
+}
+
+inline void tile_zero(int t) { std::memset(tile_state().data[t], 0, 1024); }
+
+inline void tile_loadd(int t, const void* base, int64_t stride) {
+  TileState& s = tile_state();
+  std::memset(s.data[t], 0, 1024);
+  for (int r = 0; r < s.rows[t]; ++r) std::memcpy(s.data[t] + 64 * r, static_cast<const uint8_t*>(base) + r * stride, s.colsb[t]);
+}
+
+inline void tile_stored(int t, void* base, int64_t stride) {
+  const TileState& s = tile_state();
+  for (int r = 0; r < s.rows[t]; ++r) std::memcpy(static_cast<uint8_t*>(base) + r * stride, s.data[t] + 64 * r, s.colsb[t]);
+}
+
+// A bf16 operand as TDPBF16PS reads it: denormals as zero.
+inline float bf16_operand(uint16_t v) {
+  if ((v & 0x7f80) == 0) v &= 0x8000;
+  const uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// TDPBF16PS, in the order of Intel's pseudocode: c[m][n] += a[m][2k]·b[k][2n], then += a[m][2k+1]·b[k][2n+1].
+inline void tile_dpbf16ps(int c, int a, int b) {
+  TileState& s = tile_state();
+  for (int m = 0; m < s.rows[a]; ++m) {
+    float row[16];
+    std::memcpy(row, s.data[c] + 64 * m, 64);
+    uint16_t am[32];
+    std::memcpy(am, s.data[a] + 64 * m, 64);
+    for (int k = 0; k < s.colsb[a] / 4; ++k) {
+      uint16_t bk[32];
+      std::memcpy(bk, s.data[b] + 64 * k, 64);
+      for (int n = 0; n < s.colsb[c] / 4; ++n) {
+        row[n] += bf16_operand(am[2 * k]) * bf16_operand(bk[2 * n]);
+        row[n] += bf16_operand(am[2 * k + 1]) * bf16_operand(bk[2 * n + 1]);
+      }
+    }
+    std::memcpy(s.data[c] + 64 * m, row, 64);
+  }
+}
+
 }  // namespace kt_avx512_emulation
 
 // The intrinsics SIMDe 0.7 lacks, under their own names.
@@ -171,3 +237,15 @@ inline float reduce_add_ps(simde__m512 a) {
 #define _mm512_shuffle_i32x4(a, b, imm) kt_avx512_emulation::shuffle_128_bit_quarters(a, b, imm)
 #undef _mm512_shuffle_i64x2
 #define _mm512_shuffle_i64x2(a, b, imm) kt_avx512_emulation::shuffle_128_bit_quarters(a, b, imm)
+#undef _tile_loadconfig
+#define _tile_loadconfig(config) kt_avx512_emulation::tile_loadconfig(config)
+#undef _tile_zero
+#define _tile_zero(t) kt_avx512_emulation::tile_zero(t)
+#undef _tile_loadd
+#define _tile_loadd(t, base, stride) kt_avx512_emulation::tile_loadd(t, base, stride)
+#undef _tile_stored
+#define _tile_stored(t, base, stride) kt_avx512_emulation::tile_stored(t, base, stride)
+#undef _tile_dpbf16ps
+#define _tile_dpbf16ps(c, a, b) kt_avx512_emulation::tile_dpbf16ps(c, a, b)
+#undef _tile_release
+#define _tile_release() ((void)0)
