@@ -40,14 +40,44 @@ def build() -> str:
     return library_path()
 
 
+# Parsing ATen's and torch.library's headers is most of each file's compile time (14 s of it on the
+# Zen 3 of 2026-12-03): the build includes them precompiled, once for all 26 files.
+TORCH_HEADERS = "#include <ATen/ATen.h>\n#include <torch/library.h>\n"
+
+
+def _precompile_torch_headers() -> str:
+    """The header every file of the build includes first (-include), with its precompiled form beside it,
+    made with the flags torch.utils.cpp_extension.load compiles with. Should those flags change, GCC
+    ignores the stale .gch and parses the headers: slower, never wrong."""
+    import sysconfig
+
+    import torch
+    from torch.utils.cpp_extension import include_paths
+
+    header = os.path.join(BUILD_DIR, "torch_headers.h")
+    pch = header + ".gch"
+    stamp = f"// torch {torch.__version__}\n" + TORCH_HEADERS
+    if os.path.exists(pch) and os.path.exists(header) and open(header).read() == stamp:
+        return header
+    with open(header, "w") as f:
+        f.write(stamp)
+    cflags = [f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{ROOT}/csrc"]
+    for path in include_paths() + [sysconfig.get_paths()["include"]]:
+        cflags += ["-isystem", path]
+    cflags += ["-fPIC", "-std=c++20"] + FLAGS
+    subprocess.run(["c++"] + cflags + ["-x", "c++-header", header, "-o", pch], check=True)
+    return header
+
+
 def _build_here() -> None:
     from torch.utils.cpp_extension import load
 
     os.makedirs(BUILD_DIR, exist_ok=True)
+    header = _precompile_torch_headers()
     sources = sorted(glob.glob(os.path.join(ROOT, "csrc/ops/*.cpp"))) + \
         sorted(glob.glob(os.path.join(ROOT, "meta_kernels/*.cpp")))
-    load(name=NAME, sources=sources, extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-         extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=BUILD_DIR,
+    load(name=NAME, sources=sources, extra_cflags=FLAGS + ["-include", header, "-Winvalid-pch"],
+         extra_ldflags=["-fopenmp"], extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=BUILD_DIR,
          is_python_module=False)
 
 
