@@ -81,16 +81,21 @@ at::Tensor dequantize_op(const at::Tensor& weight, const at::Tensor& scale, cons
 // Rows [start, start + count) of the weight (transposed: its columns, as wᵀ's rows) in oneDNN's
 // packed layout, filled on a path: dense (to_dense, the values as oneDNN reads them) or, for
 // timing, this thread's packed buffer itself (overwritten by the next call).
+// The input dimension of rows [start, start + count) of w (or of wᵀ: transposed) as the packed kernels' operand,
+// after checking those rows for `op`.
+int64_t packed_operand_in(const WeightMatrix& w, bool transposed, int64_t start, int64_t count, const char* op) {
+  TORCH_CHECK_VALUE(start >= 0 && count > 0 && start + count <= (transposed ? w.cols : w.rows), op,
+                    ": rows [start, start + count) out of range");
+  TORCH_CHECK_VALUE(start % (transposed ? kFp8Block : 16) == 0 && (!transposed || count % 32 == 0), op,
+                    ": start must be a multiple of ", transposed ? kFp8Block : 16, transposed ? " and count of 32" : "");
+  return transposed ? w.rows : w.cols;
+}
+
 at::Tensor dequantize_packed_op(const at::Tensor& weight, const at::Tensor& scale, bool transposed, int64_t start,
                                 int64_t count, const std::string& isa, bool dense) {
   const WeightMatrix w = quantized_matrix(weight, scale);
   const CpuIsa path = parse_cpu_isa(isa, "isa");
-  const int64_t out = count, in = transposed ? w.rows : w.cols;
-  TORCH_CHECK_VALUE(start >= 0 && count > 0 && start + count <= (transposed ? w.cols : w.rows),
-                    "_dequantize_packed: rows [start, start + count) out of range");
-  TORCH_CHECK_VALUE(start % (transposed ? kFp8Block : 16) == 0 && (!transposed || count % 32 == 0),
-                    "_dequantize_packed: start must be a multiple of ", transposed ? kFp8Block : 16,
-                    transposed ? " and count of 32" : "");
+  const int64_t out = count, in = packed_operand_in(w, transposed, start, count, "_dequantize_packed");
   const PackedBf16Layout* layout = packed_bf16_layout(out, in);
   TORCH_CHECK_VALUE(layout != nullptr, "_dequantize_packed: no packed layout known for [", out, ", ", in,
                     "] on this path");
@@ -111,12 +116,7 @@ at::Tensor dequantize_into_layout_op(const at::Tensor& weight, const at::Tensor&
                                      const std::string& isa) {
   const WeightMatrix w = quantized_matrix(weight, scale);
   const CpuIsa path = parse_cpu_isa(isa, "isa");
-  const int64_t out = count, in = transposed ? w.rows : w.cols;
-  TORCH_CHECK_VALUE(start >= 0 && count > 0 && start + count <= (transposed ? w.cols : w.rows),
-                    "_dequantize_into_layout: rows [start, start + count) out of range");
-  TORCH_CHECK_VALUE(start % (transposed ? kFp8Block : 16) == 0 && (!transposed || count % 32 == 0),
-                    "_dequantize_into_layout: start must be a multiple of ", transposed ? kFp8Block : 16,
-                    transposed ? " and count of 32" : "");
+  const int64_t out = count, in = packed_operand_in(w, transposed, start, count, "_dequantize_into_layout");
   TORCH_CHECK_VALUE(out_block % 16 == 0 && out % out_block == 0 && in_block % 32 == 0 && in % in_block == 0,
                     "_dequantize_into_layout: out_block must be a multiple of 16 dividing ", out,
                     " and in_block one of 32 dividing ", in, ", got ", out_block, " and ", in_block);
