@@ -4,8 +4,9 @@ path's kernels are checked against their reference loops whatever CPU runs the t
 
 It is the same sources compiled with -DKT_OPS_EMULATE_AVX512 -mavx2 -mfma -mf16c into
 build/avx512_emulated/ (ninja rebuilds only what changed), at -O1: SIMDe's inlined emulation makes
--O3 builds half again as slow, and these kernels are only checked, never timed. A process uses it in place of kt_ops._C
-when KT_OPS_TEST_LIBRARY names it; both cannot share a process, as both register torch.ops.kt.
+-O3 builds 1.4x as slow, and these kernels are only checked, never timed. A process uses it in
+place of kt_ops._C when KT_OPS_TEST_LIBRARY names it; both cannot share a process, as both
+register torch.ops.kt.
 
     .venv/bin/python tests/avx512_emulation.py            # build; prints the library's path
     KT_OPS_TEST_LIBRARY=$(that path) .venv/bin/python -m pytest tests/test_cpu_kernels.py -k avx512
@@ -47,24 +48,25 @@ TORCH_HEADERS = "#include <ATen/ATen.h>\n#include <torch/library.h>\n"
 
 def _precompile_torch_headers() -> str:
     """The header every file of the build includes first (-include), with its precompiled form beside it,
-    made with the flags torch.utils.cpp_extension.load compiles with. Should those flags change, GCC
-    ignores the stale .gch and parses the headers: slower, never wrong."""
+    made with the flags torch.utils.cpp_extension.load compiles with and remade when torch or those
+    flags change (the header records both; rewriting it also makes ninja rebuild every file). Should
+    load's own flags change, GCC ignores the .gch and parses the headers: slower, never wrong."""
     import sysconfig
 
     import torch
     from torch.utils.cpp_extension import include_paths
 
-    header = os.path.join(BUILD_DIR, "torch_headers.h")
-    pch = header + ".gch"
-    stamp = f"// torch {torch.__version__}\n" + TORCH_HEADERS
-    if os.path.exists(pch) and os.path.exists(header) and open(header).read() == stamp:
-        return header
-    with open(header, "w") as f:
-        f.write(stamp)
     cflags = [f"-DTORCH_EXTENSION_NAME={NAME}", "-DTORCH_API_INCLUDE_EXTENSION_H", f"-I{ROOT}/csrc"]
     for path in include_paths() + [sysconfig.get_paths()["include"]]:
         cflags += ["-isystem", path]
     cflags += ["-fPIC", "-std=c++20"] + FLAGS
+    header = os.path.join(BUILD_DIR, "torch_headers.h")
+    pch = header + ".gch"
+    stamp = f"// torch {torch.__version__}, {' '.join(cflags)}\n" + TORCH_HEADERS
+    if os.path.exists(pch) and os.path.exists(header) and open(header).read() == stamp:
+        return header
+    with open(header, "w") as f:
+        f.write(stamp)
     subprocess.run(["c++"] + cflags + ["-x", "c++-header", header, "-o", pch], check=True)
     return header
 

@@ -6,9 +6,10 @@
 // SIMDe (Debian's libsimde-dev) provides most intrinsics under their own names (its "native aliases", switched
 // on here for the AVX-512 extensions only, so the AVX2 kernels keep the compiler's). The ones SIMDe 0.7 lacks
 // follow, lane by lane, as Intel's pseudocode defines them, and so do the AMX tile instructions (a thread's
-// eight tiles as plain memory; SIMDe has no AMX). Two differ from the hardware on purpose, within
-// what the kernels may rely on: _mm512_rcp14_ps is an exact reciprocal (the hardware's is within 2^-14), and
-// _mm512_reduce_add_ps adds in GCC's order (halves first), which the hardware leaves to the compiler anyway.
+// eight tiles as plain memory; SIMDe has no AMX). Where this differs from the hardware, it stays within what
+// the kernels may rely on: _mm512_rcp14_ps is an exact reciprocal (the hardware's is within 2^-14);
+// _mm512_reduce_add_ps adds in GCC's order (halves first), which the hardware leaves to the compiler anyway;
+// SIMDe's _mm512_dpbf16_ps reads denormal bf16 operands as they are, where VDPBF16PS reads them as zero.
 #pragma once
 
 #ifndef KT_OPS_EMULATE_AVX512
