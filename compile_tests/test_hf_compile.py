@@ -117,3 +117,17 @@ def test_new_families_compiled_with_kt_checkpointing(name):
         assert rel_err(got[1][pname], grad) <= 1e-5, pname
     assert got[2] == {"moe_forward": n_moe, "moe_backward": n_moe}
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
+
+
+def test_kt_experts_implementation_compiles_fullgraph():
+    """``set_experts_implementation("kt")`` (the unchanged experts modules on kt.moe) under
+    torch.compile(fullgraph=True): the gating check (kt_ops.hf.experts) traces, its probe of a
+    family's own ``_apply_gate`` having run eagerly, and the logits equal eager."""
+    kt_ops.hf.register_kt_experts()
+    model = tiny_model("qwen3_moe")
+    model.set_experts_implementation("kt")
+    ids = input_ids()
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits
+        out = torch.compile(model, fullgraph=True, backend="aot_eager")(input_ids=ids).logits
+    assert rel_err(out, ref) <= 1e-6

@@ -48,8 +48,10 @@ def random_kt_lora(model, seed=2):
 
 
 def peft_lora_grads_as_kt(pm, patched):
-    """PEFT's LoRA gradients in kt's layout: {(block name, kt tensor name): gradient}."""
-    grads = {n.replace(".default", ""): p.grad for n, p in pm.named_parameters() if "lora_" in n}
+    """PEFT's LoRA gradients in kt's layout: {(block name, kt tensor name): gradient}; a LoRA
+    tensor that got none (experts no token reached, e.g. a vision tower's) has a zero one."""
+    grads = {n.replace(".default", ""): p.grad if p.grad is not None else torch.zeros_like(p)
+             for n, p in pm.named_parameters() if "lora_" in n}
     out = {}
     for name, block in patched_blocks(patched):
         prefix = f"base_model.model.{name}."

@@ -20,8 +20,9 @@ transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
 import kt_ops  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
 from hf_families import classify, discover, input_ids, run, tiny_model  # noqa: E402
-from kt_ops.hf.experts import is_experts_module  # noqa: E402
+from kt_ops.hf.experts import is_experts_module, kt_experts_forward  # noqa: E402
 from test_hf_adapters import R, peft_lora_grads_as_kt, peft_model  # noqa: E402
 from test_hf_patching import rel_err  # noqa: E402
 from kt_ops.hf.patch import patched_blocks  # noqa: E402
@@ -30,6 +31,24 @@ FAMILIES = discover()
 # Named in issue 16 (and the five hand-supported before it): must stay covered.
 MUST_COVER = ("qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "olmoe",
               "ernie4_5_moe", "hunyuan_v1_moe", "dots1", "minimax_m2")
+
+
+def assert_experts_match_at_large_activations(model, scale: float = 40.0):
+    """Each experts module's own forward against kt.moe (the "kt" experts function) on hidden
+    states scaled so that gate and up pre-activations reach tens: a tiny random model's stay
+    near 1, where a gating that differs from silu(gate)·up only at large values (a clamp at
+    swiglu_limit) would pass the logits check unseen."""
+    g = torch.Generator().manual_seed(1)
+    for module in (m for m in model.modules() if is_experts_module(m)):
+        E, _, H = module.gate_up_proj.shape
+        x = torch.randn(24, H, generator=g) * scale
+        K = min(2, E)
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(24)])
+        w = torch.rand(24, K, generator=g)
+        with torch.no_grad():
+            pre = x @ module.gate_up_proj[0].T
+            assert pre.abs().max() > 20, "the probe must reach beyond the families' clamps (7-10)"
+            assert rel_err(kt_experts_forward(module, x, ids, w), module(x, ids, w)) <= 1e-5, type(module).__name__
 
 
 @lru_cache(maxsize=None)
@@ -67,6 +86,7 @@ def test_family(family, tmp_path):
     assert not any(is_experts_module(m) for m in patched.modules())
     with torch.no_grad():
         assert rel_err(run(patched, ids).logits, ref) <= 1e-5
+    assert_experts_match_at_large_activations(base)
 
     # one LoRA step against PEFT on the unpatched experts (PEFT's adapter loaded into kt)
     base.train()
@@ -83,11 +103,60 @@ def test_family(family, tmp_path):
     grads = peft_lora_grads_as_kt(pm, lora)
     assert len(grads) == 5 * len(patched_blocks(lora)) > 0
     for (name, kt_name), g in grads.items():
-        assert rel_err(getattr(lora.get_submodule(name).experts, kt_name).grad, g) <= 1e-5, (name, kt_name)
+        kt_param = getattr(lora.get_submodule(name).experts, kt_name)
+        kt_grad = kt_param.grad if kt_param.grad is not None else torch.zeros_like(kt_param)
+        assert rel_err(kt_grad, g) <= 1e-5, (name, kt_name)
 
-    # and back: kt's adapter loads into plain PEFT on a fresh unpatched model
+    # and back: kt writes the very adapter PEFT wrote (the adapter kt loaded, not yet stepped) ...
     kt_ops.save_adapter(lora, tmp_path / "kt")
+    ours, theirs = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("kt", "peft"))
+    assert ours.keys() == theirs.keys()
+    for key in theirs:
+        assert torch.allclose(ours[key], theirs[key], rtol=1e-6, atol=1e-7), key
+    # ... and it loads into plain PEFT on a fresh unpatched model, where PEFT loads its own
     reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), tmp_path / "kt").eval()
     lora.eval()
+    if not peft_loads_its_own_adapter(base, pm, tmp_path / "peft", ids):
+        return
     with torch.no_grad():
         assert rel_err(run(reloaded, ids).logits, run(lora, ids).logits) <= 1e-5
+
+
+# Families where PEFT cannot load the adapter it saved itself (its load reports every LoRA key of
+# the experts missing, and the reloaded model's logits differ): multimodal wrappers whose
+# checkpoint key mapping PEFT applies on load but not on save, in the PEFT and transformers
+# installed here. Listed so that a fix upstream shows as a failure here, to be removed.
+PEFT_CANNOT_RELOAD = {"deepseek_ocr2", "mistral_large4", "unlimited_ocr"}
+
+
+def peft_loads_its_own_adapter(base, pm, path, ids) -> bool:
+    """Whether PEFT's reload of its own saved adapter (``path``, saved from ``pm``) gives
+    ``pm``'s logits; checked against PEFT_CANNOT_RELOAD, both ways."""
+    reloaded = peft.PeftModel.from_pretrained(copy.deepcopy(base), path).eval()
+    was_training = pm.training
+    pm.eval()
+    with torch.no_grad():
+        ok = rel_err(run(reloaded, ids).logits, run(pm, ids).logits) <= 1e-5
+    pm.train(was_training)
+    family = type(base).__module__.split(".")[-2]
+    assert ok != (family in PEFT_CANNOT_RELOAD), (family, ok)
+    return ok
+
+
+def test_clamped_gating_is_refused_by_what_it_computes():
+    """DeepSeek-V4's experts clamp gate and up at swiglu_limit in an _apply_gate of their own
+    (which transformers' backends call). Their act_fn is SiLU, so a check by name passed them,
+    and kt.moe computed other numbers wherever a pre-activation passed the limit."""
+    family = next((f for f in FAMILIES if f.name == "deepseek_v4"), None)
+    if family is None:
+        pytest.skip("no deepseek_v4 in this transformers")
+    model = tiny_model(family)
+    experts = next(m for m in model.modules() if is_experts_module(m))
+    assert type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation")
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"DeepseekV4Experts clamps gate and up at swiglu_limit=10.0; kt.moe"):
+        kt_ops.patch_model(model)
+    assert [type(m) for m in model.modules()] == before
+    x, ids, w = torch.randn(3, experts.gate_up_proj.shape[2]), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r'experts_implementation="kt": DeepseekV4Experts clamps'):
+        kt_experts_forward(experts, x, ids, w)

@@ -19,8 +19,12 @@ Two ways in:
   through ``kt.moe`` on their own weights, in one process, autograd included.
 
 What the kernels compute is SwiGLU experts: concatenated gate|up, not transposed, no bias,
-gated, no post-expert norm, ``silu`` activation, float32/bfloat16/float64 weights.
-:func:`experts_support` says why a module is refused.
+gated, no post-expert norm, ``silu(gate)·up``, float32/bfloat16/float64 weights.
+:func:`experts_support` says why a module is refused. The gating is checked by what it
+computes, not by name: transformers' backends call the module's ``_apply_gate`` (the
+decorator's default is ``act_fn(gate)·up``), which some families override, e.g. to clamp gate
+and up at ``swiglu_limit`` (DeepSeek-V4, GLM-5, HY-V4, MiniMax-M3, gpt-oss): kt would silently
+compute other numbers there, so such a module is refused.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ from kt_ops.layer import KTMoE  # transformers itself is imported lazily (regist
 # value kt.moe's layout needs.
 _LAYOUT_FLAGS = (("is_transposed", False), ("has_bias", False), ("is_concatenated", True), ("has_gate", True),
                  ("has_post_expert_norm", False))
-_SILU_ACTIVATIONS = ("SiLU", "SiLUActivation")
+# Pre-activations the gating is probed at: far beyond any clamp the families use (gpt-oss 7,
+# DeepSeek-V4 and GLM-5 10), and far beyond what a tiny random model's logits would reach.
+_GATE_PROBE_RANGE = 1000.0
 _KT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
 
@@ -58,9 +64,6 @@ def experts_support(module: nn.Module) -> Optional[str]:
         value = getattr(module, flag, needed)
         if value != needed:
             return f"{cls} has {flag}={value!r}; kt.moe computes {flag}={needed} experts"
-    act = type(getattr(module, "act_fn", None)).__name__
-    if act not in _SILU_ACTIVATIONS:
-        return f"{cls}'s activation is {act}; kt.moe computes SwiGLU experts (hidden_act='silu') only"
     gate_up, down = getattr(module, "gate_up_proj", None), getattr(module, "down_proj", None)
     if not isinstance(gate_up, Tensor) or not isinstance(down, Tensor):
         return f"{cls} holds no gate_up_proj / down_proj tensors (already converted?)"
@@ -70,10 +73,66 @@ def experts_support(module: nn.Module) -> Optional[str]:
     E, two_i, H = gate_up.shape
     if tuple(down.shape) != (E, H, two_i // 2):
         return f"{cls}: down_proj must have shape [E, H, I] = {[E, H, two_i // 2]}, got {list(down.shape)}"
+    why = _gating_mismatch(module, two_i // 2)
+    if why is not None:
+        return why
     if gate_up.dtype not in _KT_DTYPES or down.dtype != gate_up.dtype:
         return (f"{cls}'s expert weights are {gate_up.dtype}; kt.moe runs float32, bfloat16 or float64 experts "
                 f"(cast the model first, e.g. model.to(torch.bfloat16))")
     return None
+
+
+# Verdicts of _probe_gating, per (experts class, activation, clamp limit): the probe runs once,
+# eagerly, and a compiled forward reads the verdict (torch.compile cannot trace the probe).
+_GATING_VERDICTS: dict = {}
+
+
+def _gating_mismatch(module: nn.Module, intermediate: int) -> Optional[str]:
+    """None when the module's gating computes ``silu(gate)·up``, else why not. transformers'
+    default ``_apply_gate`` (``act_fn(gate)·up``) with a SiLU ``act_fn`` is known to; any other
+    gating is probed (_probe_gating)."""
+    act = getattr(module, "act_fn", None)
+    apply_gate = getattr(type(module), "_apply_gate", None)
+    if getattr(apply_gate, "__name__", None) == "_default_apply_gate" or apply_gate is None:
+        if act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation"):
+            return None
+    limits = tuple(getattr(module, a, None) for a in ("swiglu_limit", "limit"))
+    key = (type(module), act if callable(act) and not isinstance(act, nn.Module) else type(act), limits)
+    if key not in _GATING_VERDICTS:
+        if torch.compiler.is_compiling():
+            return (f"{type(module).__name__} has a gating of its own, which kt checks by running it: call the "
+                    f"model once without torch.compile first")
+        _GATING_VERDICTS[key] = _probe_gating(module, intermediate)
+    return _GATING_VERDICTS[key]
+
+
+def _probe_gating(module: nn.Module, intermediate: int) -> Optional[str]:
+    """None when the module's gating (its ``_apply_gate``, else ``act_fn(gate)·up``) computes
+    ``silu(gate)·up``, probed in float32 on CPU pre-activations spanning ±_GATE_PROBE_RANGE;
+    else why not."""
+    cls = type(module).__name__
+    act = getattr(module, "act_fn", None)
+    act_name = getattr(act, "__name__", None) or type(act).__name__
+    steps = 16 * 2 * intermediate
+    gate_up = torch.linspace(-_GATE_PROBE_RANGE, _GATE_PROBE_RANGE, steps, dtype=torch.float32).view(16, 2 * intermediate)
+    gate_up = torch.cat([gate_up[:, :intermediate], gate_up[:, intermediate:].flip(0)], dim=1)  # big gate, small up and back
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    expected = torch.nn.functional.silu(gate) * up
+    try:
+        apply_gate = getattr(module, "_apply_gate", None)
+        with torch.no_grad():
+            got = apply_gate(gate_up) if apply_gate is not None else act(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
+        same = isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(
+            got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+    except Exception as e:  # noqa: BLE001 - a gating we cannot even call is not ours
+        return f"{cls}'s gating cannot be probed ({type(e).__name__}: {e}); kt.moe computes silu(gate)·up experts only"
+    if same:
+        return None
+    limit = next((getattr(module, a) for a in ("swiglu_limit", "limit") if isinstance(getattr(module, a, None), (int, float))), None)
+    if limit is not None:
+        return (f"{cls} clamps gate and up at swiglu_limit={limit}; kt.moe computes unclamped SwiGLU experts "
+                f"(silu(gate)·up) only")
+    return f"{cls}'s activation is {act_name}; kt.moe computes SwiGLU experts (silu(gate)·up) only"
 
 
 def _masked(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
