@@ -1,4 +1,6 @@
-"""Peak memory of loading a checkpoint, in a fresh process (ru_maxrss is per process).
+"""Peak memory of loading a checkpoint, in a fresh process (VmHWM: the peak of this process's
+own memory since exec; not ru_maxrss, which Linux carries over from the parent at fork + exec,
+so that under a pytest process of 2 GB it read 2 GB before loading anything).
 
     python tests/loading_memory_run.py make DIR          # a Qwen3-MoE of >= 1 GiB in bf16, saved
     python tests/loading_memory_run.py kt DIR OUT.json   # kt_ops.hf.from_pretrained(expert_format="int4")
@@ -8,7 +10,6 @@
 the largest layer's bf16 expert bytes and the logits of a fixed input to OUT.json / OUT.pt.
 """
 import json
-import resource
 import sys
 import time
 
@@ -25,10 +26,6 @@ def resident_bytes() -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
 
 
-def peak_bytes() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
 def reset_peak() -> None:
     """Restart the kernel's peak resident size (VmHWM) from the current one (Linux >= 4.0)."""
     with open("/proc/self/clear_refs", "w") as f:
@@ -36,6 +33,7 @@ def reset_peak() -> None:
 
 
 def peak_since_reset() -> int:
+    """VmHWM: the peak resident size since exec or the last reset_peak."""
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
@@ -63,11 +61,12 @@ def load(kind: str, path: str, out: str) -> None:
         # patch_model's own peak: it quantizes one experts module at a time and drops that
         # module's bf16 copy before the next.
         patching["before_patch"] = resident_bytes()
+        patching["load_peak"] = peak_since_reset()
         reset_peak()
         kt_ops.patch_model(model, expert_format="int4")
         patching["patch_peak"], patching["after_patch"] = peak_since_reset(), resident_bytes()
     seconds = time.perf_counter() - start
-    peak, final = peak_bytes(), resident_bytes()
+    peak, final = max(peak_since_reset(), patching.get("load_peak", 0)), resident_bytes()
     ids = torch.arange(16).reshape(2, 8)
     with torch.no_grad():
         logits = model(input_ids=ids, use_cache=False).logits.float()

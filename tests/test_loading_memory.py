@@ -1,6 +1,6 @@
 """Loading memory (issue 15): kt_ops.hf.from_pretrained with expert_format="int4" on a saved
 Qwen3-MoE whose bf16 size is over 1 GiB peaks at most at the final resident size + 2 x the
-largest layer's bf16 experts + 256 MiB (ru_maxrss of a fresh process), and gives the logits of
+largest layer's bf16 experts + 256 MiB (VmHWM of a fresh process), and gives the logits of
 from_pretrained + patch_model, whose peak is reported beside it; patch_model alone peaks at
 most one layer's bf16 experts over its start."""
 import json
