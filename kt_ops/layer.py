@@ -54,6 +54,10 @@ class KTMoE(nn.Module):
     only error is the weights' own rounding. ``group_size`` (int4 only: 32, 64 or 128,
     default 32) is the number of input columns per int4 scale.
 
+    ``swiglu_limit`` (None, or a number > 0): the experts clamp gate at ``min(g, L)`` and up at
+    ``clamp(u, -L, L)`` before ``silu(g)·u``, as transformers' clamped SwiGLU families
+    (DeepSeek-V4, GLM-5, HY-V4) do.
+
     Gradient semantics: the owner's expert (and LoRA) gradients are the *average* over ranks
     of each rank's loss gradient, exactly what DDP would give if every rank held the experts,
     so the same optimizer settings work with 1 or N ranks. Router gradients are each rank's
@@ -75,7 +79,8 @@ class KTMoE(nn.Module):
                  norm_topk_prob: bool = True, owner_rank: int = 0,
                  process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16,
                  router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
-                 group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None):
+                 group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None,
+                 swiglu_limit: Optional[float] = None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -95,6 +100,9 @@ class KTMoE(nn.Module):
         if expert_format == "int4" and (hidden_size % self.group_size or intermediate_size % self.group_size):
             raise ValueError(f"KTMoE: expert_format='int4' with group_size={self.group_size} needs hidden_size "
                              f"({hidden_size}) and intermediate_size ({intermediate_size}) to be multiples of it")
+        if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
+            raise ValueError(f"KTMoE: swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
+        self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
         self.expert_dtype = dtype  # of activations, LoRA and (unless quantized) the base weights
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -310,7 +318,7 @@ class KTMoE(nn.Module):
         """kt.moe where the experts live (the owner's CPU); x, ids, weights may be anywhere."""
         device, dtype = self.gate_proj.device, self.expert_dtype
         out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
-                               *self.expert_tensors(), self.lora_scale, *self.expert_scales())
+                               *self.expert_tensors(), self.lora_scale, *self.expert_scales(), self.swiglu_limit)
         return out.to(x.device, x.dtype)
 
     def _group_name(self) -> str:

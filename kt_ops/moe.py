@@ -22,6 +22,7 @@ def moe(
     gate_scale: Optional[Tensor] = None,
     up_scale: Optional[Tensor] = None,
     down_scale: Optional[Tensor] = None,
+    swiglu_limit: Optional[float] = None,
 ) -> Tensor:
     """Routed SwiGLU experts with optional LoRA; same call as ``torch.ops.kt.moe``.
 
@@ -29,7 +30,7 @@ def moe(
 
         g = x·gate_proj[e]ᵀ + s·(x·gate_lora_a[e]ᵀ)·gate_lora_b[e]ᵀ
         u = x·up_proj[e]ᵀ   + s·(x·up_lora_a[e]ᵀ)·up_lora_b[e]ᵀ
-        h = silu(g) * u
+        h = silu(g) * u            (g <- min(g, L), u <- clamp(u, -L, L) first, given swiglu_limit=L)
         o = h·down_proj[e]ᵀ + s·(h·down_lora_a[e]ᵀ)·down_lora_b[e]ᵀ
         y[t] = Σ_j topk_weights[t, j] · o
 
@@ -49,6 +50,9 @@ def moe(
         gate_scale, up_scale, down_scale: scales of quantized base weights (float32 or
             bfloat16): fp8 ``[E, ceil(out/128), ceil(in/128)]``, int8 ``[E, out]``, int4
             ``[E, out, in/group_size]`` (group_size 32, 64 or 128). None for dense weights.
+        swiglu_limit: None, or ``L > 0``: gate and up are clamped first, as transformers'
+            clamped SwiGLU (``swiglu_limit`` of DeepSeek-V4, GLM-5, HY-V4) computes them;
+            their gradients are zero where the clamp cut (torch.clamp's).
 
     Returns:
         ``[..., H]`` in the dtype of ``hidden_states``.
@@ -61,4 +65,5 @@ def moe(
         hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
         gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
         float(lora_scale), gate_scale, up_scale, down_scale,
+        None if swiglu_limit is None else float(swiglu_limit),
     )

@@ -148,6 +148,66 @@ def test_swiglu_extremes_and_nan(isa):
     assert torch.isnan(dw).all()
 
 
+def clamped_swiglu_reference(g, u, dh, w, limit):
+    """swiglu_reference on the clamped g and u (transformers' clamped SwiGLU), with dg and du
+    zero where torch.clamp's gradient is: outside [.., limit] / [-limit, limit], and at NaN."""
+    g, u = g.double(), u.double()
+    ref = swiglu_reference(g.clamp(max=limit), u.clamp(-limit, limit), dh, w)
+    ref["dg"] = torch.where(g <= limit, ref["dg"], 0.0)
+    ref["du"] = torch.where((u >= -limit) & (u <= limit), ref["du"], 0.0)
+    return ref
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])
+@pytest.mark.parametrize("n,pad,I", [(1, 0, 1), (5, 3, 15), (7, 1, 33), (3, 13, 768)])
+def test_clamped_swiglu_matches_float64(isa, dtype, n, pad, I):
+    """With swiglu_limit = 2.5 on g, u spread over ±4 standard deviations of 3: both clamps cut,
+    in the SIMD steps and in the tails."""
+    seed = n * 100 + I + 7
+    g = rand(n, I, dtype=dtype, seed=seed, scale=3.0)
+    u = rand(n, I, dtype=dtype, seed=seed + 1, scale=3.0)
+    dh = torch.cat([rand(n, I, dtype=dtype, seed=seed + 2), torch.full((pad, I), 7.0, dtype=dtype)])
+    w = torch.rand(n + pad, generator=torch.Generator().manual_seed(seed), dtype=f64).to(f64 if dtype == f64 else f32)
+    ref = clamped_swiglu_reference(g, u, dh[:n], w[:n], 2.5)
+    assert_close_to(torch.ops.kt._swiglu_forward(g, u, isa, 2.5), ref["h"], dtype, "h")
+    dg, du, hw, dw = torch.ops.kt._swiglu_backward(g, u, dh, w, True, True, isa, 2.5)
+    for name, t in (("dg", dg), ("du", du), ("hw", hw)):
+        assert_close_to(t[:n], ref[name], dtype, name)
+        assert (t[n:] == 0).all(), f"{name}: padding rows must be zero"
+    assert_close_to(dw, ref["dw"], w.dtype if dtype != bf16 else f32, "dw")
+
+
+@pytest.mark.parametrize("isa", ALL_ISAS)
+def test_clamped_swiglu_at_the_bounds_and_nan(isa):
+    """torch.clamp's semantics exactly: the bounds pass the gradient, beyond them it is 0; NaN
+    stays NaN in h and its gradient is 0. 32 columns: the SIMD steps and the tail both see
+    every case."""
+    L = 4.0
+    vals = [-L - 1, -L, -L + 0.5, 0.0, L - 0.5, L, L + 1, float("nan")]
+    g = torch.tensor([vals * 4])
+    u = torch.tensor([vals[::-1] * 4])
+    h = torch.ops.kt._swiglu_forward(g, u, isa, L)
+    ref = clamped_swiglu_reference(g, u, torch.ones_like(g), torch.ones(1), L)
+    assert torch.equal(torch.isnan(h), torch.isnan(ref["h"]))
+    finite = ~torch.isnan(ref["h"])
+    assert torch.allclose(h[finite].double(), ref["h"][finite], rtol=1e-6, atol=1e-6)
+    dg, du, _, _ = torch.ops.kt._swiglu_backward(g, u, torch.ones_like(g), torch.ones(1), False, False, isa, L)
+    g_passes, u_passes = g <= L, (u >= -L) & (u <= L)  # False at NaN, as torch.clamp's gradient
+    assert (dg[~g_passes] == 0).all() and (du[~u_passes] == 0).all()
+    both = g_passes & u_passes
+    assert torch.allclose(dg[both].double(), ref["dg"][both], rtol=1e-6, atol=1e-6)
+    assert torch.allclose(du[both].double(), ref["du"][both], rtol=1e-6, atol=1e-6)
+    assert (dg[both & (u != 0)] != 0).all()  # the bounds themselves pass
+
+
+def test_swiglu_limit_refused_by_the_kernel_ops():
+    g = torch.randn(2, 8)
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="swiglu_limit must be None or a number > 0"):
+            torch.ops.kt._swiglu_forward(g, g, "portable", bad)
+
+
 def test_swiglu_without_optional_outputs():
     g, u, dh = (rand(4, 40, dtype=bf16, seed=s) for s in (1, 2, 3))
     w = torch.rand(4)

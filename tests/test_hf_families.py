@@ -22,7 +22,7 @@ peft = pytest.importorskip("peft")
 import kt_ops  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from hf_families import classify, discover, input_ids, run, tiny_model  # noqa: E402
-from kt_ops.hf.experts import is_experts_module, kt_experts_forward  # noqa: E402
+from kt_ops.hf.experts import is_experts_module, kt_experts_forward, swiglu_limit_of  # noqa: E402
 from test_hf_adapters import R, peft_lora_grads_as_kt, peft_model  # noqa: E402
 from test_hf_patching import rel_err  # noqa: E402
 from kt_ops.hf.patch import patched_blocks  # noqa: E402
@@ -143,20 +143,42 @@ def peft_loads_its_own_adapter(base, pm, path, ids) -> bool:
     return ok
 
 
-def test_clamped_gating_is_refused_by_what_it_computes():
-    """DeepSeek-V4's experts clamp gate and up at swiglu_limit in an _apply_gate of their own
-    (which transformers' backends call). Their act_fn is SiLU, so a check by name passed them,
-    and kt.moe computed other numbers wherever a pre-activation passed the limit."""
+def _deepseek_v4_experts():
     family = next((f for f in FAMILIES if f.name == "deepseek_v4"), None)
     if family is None:
         pytest.skip("no deepseek_v4 in this transformers")
     model = tiny_model(family)
-    experts = next(m for m in model.modules() if is_experts_module(m))
-    assert type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation")
+    return model, next(m for m in model.modules() if is_experts_module(m))
+
+
+def test_clamped_gating_runs_with_its_limit():
+    """DeepSeek-V4's experts clamp gate and up at swiglu_limit in an _apply_gate of their own
+    (which transformers' backends call). Their act_fn is SiLU, so a check by name had passed them
+    and kt.moe computed unclamped SwiGLU; the gating is now matched by what it computes, and kt
+    runs it with the limit it matched (the family's test_family checks the numbers)."""
+    model, experts = _deepseek_v4_experts()
+    assert type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation") and experts.limit == 10.0
+    assert swiglu_limit_of(experts) == 10.0
+    patched = kt_ops.patch_model(model)
+    assert {m.swiglu_limit for m in patched.modules() if isinstance(m, kt_ops.KTMoE)} == {10.0}
+
+
+def test_other_clamped_gating_is_refused():
+    """A gating that names a limit but clamps otherwise (here: gate on both sides) is neither
+    form kt.moe computes: refused, naming the limit, by patch_model and the "kt" function."""
+    model, experts = _deepseek_v4_experts()
+
+    class OtherClamp(type(experts)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            return self.act_fn(gate.clamp(-self.limit, self.limit)) * up.clamp(-self.limit, self.limit)
+
+    experts.__class__ = OtherClamp
     before = [type(m) for m in model.modules()]
-    with pytest.raises(ValueError, match=r"DeepseekV4Experts clamps gate and up at swiglu_limit=10.0; kt.moe"):
+    with pytest.raises(ValueError, match=r"OtherClamp's gating with swiglu_limit=10.0 is not "
+                                         r"silu\(min\(gate, limit\)\)·clamp\(up, -limit, limit\)"):
         kt_ops.patch_model(model)
     assert [type(m) for m in model.modules()] == before
     x, ids, w = torch.randn(3, experts.gate_up_proj.shape[2]), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
-    with pytest.raises(ValueError, match=r'experts_implementation="kt": DeepseekV4Experts clamps'):
+    with pytest.raises(ValueError, match=r'experts_implementation="kt": OtherClamp'):
         kt_experts_forward(experts, x, ids, w)

@@ -11,6 +11,7 @@
 #include "ops/expert_weights.h"
 #include "ops/quant_gemv.h"
 #include "ops/large_alloc.h"
+#include "ops/moe_checks.h"
 #include "ops/packed_layout.h"
 #include "ops/packed_weights.h"
 #include "ops/small_gemm.h"
@@ -206,22 +207,23 @@ at::Tensor thin_gemm_op(const at::Tensor& x, const at::Tensor& w, at::ScalarType
   return out;
 }
 
-at::Tensor swiglu_forward_op(const at::Tensor& g, const at::Tensor& u, const std::string& isa) {
+at::Tensor swiglu_forward_op(const at::Tensor& g, const at::Tensor& u, const std::string& isa,
+                             std::optional<double> limit) {
   at::Tensor h = at::empty_like(g);
-  swiglu_forward(g, u, h, parse_cpu_isa(isa, "isa"));
+  swiglu_forward(g, u, h, parse_cpu_isa(isa, "isa"), checked_swiglu_limit(limit));
   return h;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_op(
     const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w, bool need_hw,
-    bool need_dw, const std::string& isa) {
+    bool need_dw, const std::string& isa, std::optional<double> limit) {
   const int64_t p = dh.size(0), I = dh.size(1);
   SwigluBackwardOut out;
   out.dg = at::empty({p, I}, dh.options());
   out.du = at::empty({p, I}, dh.options());
   out.hw = need_hw ? at::empty({p, I}, dh.options()) : at::Tensor();
   out.dw = need_dw ? at::empty({g.size(0)}, w.options()) : at::Tensor();
-  swiglu_backward(g, u, dh, w, out, parse_cpu_isa(isa, "isa"));
+  swiglu_backward(g, u, dh, w, out, parse_cpu_isa(isa, "isa"), checked_swiglu_limit(limit));
   auto none = [&] { return at::empty({0}, dh.options()); };
   return {out.dg, out.du, need_hw ? out.hw : none(), need_dw ? out.dw : none()};
 }

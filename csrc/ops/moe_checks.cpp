@@ -1,5 +1,7 @@
 #include "ops/moe_checks.h"
 
+#include "ops/swiglu.h"
+
 #include <cmath>
 
 namespace kt {
@@ -206,6 +208,13 @@ std::array<bool, 11> output_mask_array(const c10::List<bool>& output_mask) {
 
 std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved) {
   return {2, saved ? sizes.tokens * sizes.top_k : c10::SymInt(0), sizes.intermediate};
+}
+
+double checked_swiglu_limit(const std::optional<double>& swiglu_limit) {
+  if (!swiglu_limit.has_value()) return kNoSwigluLimit;
+  TORCH_CHECK_VALUE(*swiglu_limit > 0, "kt.moe: swiglu_limit must be None or a number > 0 (gate and up are clamped "
+                    "at it), got ", *swiglu_limit);
+  return *swiglu_limit;
 }
 
 }  // namespace kt

@@ -63,6 +63,10 @@ void check_moe_backward_inputs(
 // output_mask as a fixed array (after check_moe_backward_inputs checked its size).
 std::array<bool, 11> output_mask_array(const c10::List<bool>& output_mask);
 
+// swiglu_limit of kt.moe as the SwiGLU kernels take it (kNoSwigluLimit for None); ValueError
+// unless it is None or a number > 0.
+double checked_swiglu_limit(const std::optional<double>& swiglu_limit);
+
 // Shape of the saved activations: [2, T*K, I], or [2, 0, I] when nothing is saved.
 std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved);
 

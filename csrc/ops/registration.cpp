@@ -27,14 +27,18 @@ PyObject* PyInit__C(void) {
 // that calls on dense weights are unchanged.
 #define KT_SCALE_ARGS "Tensor? gate_scale=None, Tensor? up_scale=None, Tensor? down_scale=None"
 
+// The clamp of SwiGLU variants with a swiglu_limit (csrc/ops/swiglu.h), after the scales for
+// the same reason.
+#define KT_LIMIT_ARGS "float? swiglu_limit=None"
+
 TORCH_LIBRARY(kt, m) {
   // The public, differentiable op. CompositeImplicitAutograd: it calls moe_forward and
   // returns only the output; autograd lives on moe_forward.
-  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ") -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ", " KT_LIMIT_ARGS ") -> Tensor", {at::Tag::pt2_compliant_tag});
 
   // Forward that also returns what backward needs: the gate and up pre-activations
   // [2, T*K, I] in expert-sorted order (or [2, 0, I] when save_activations is false).
-  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS
+  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_LIMIT_ARGS
         ") -> (Tensor output, Tensor activations)",
         {at::Tag::pt2_compliant_tag});
 
@@ -48,20 +52,20 @@ TORCH_LIBRARY(kt, m) {
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
-      ") -> Tensor[]",
+      ", " KT_LIMIT_ARGS ") -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 
   // The C++ CPU kernels of moe_forward / moe_backward. The CPU kernels registered for the
   // two ops above are thin Python wrappers (kt_ops/_kernels.py) that call these and, on
   // failure, tell the other ranks of a distributed job before raising (kt_ops/faults.py).
-  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS
+  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_LIMIT_ARGS
         ") -> (Tensor output, Tensor activations)");
   m.def(
       "_moe_backward_cpu(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
-      ") -> Tensor[]");
+      ", " KT_LIMIT_ARGS ") -> Tensor[]");
 
   // Collectives over a torch.distributed process group (kernels and autograd:
   // kt_ops/collectives.py; fakes: meta_kernels/collectives.py). rank and world_size are
@@ -105,7 +109,7 @@ TORCH_LIBRARY(kt, m) {
   // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
-  m.def("_swiglu_forward(Tensor g, Tensor u, str isa) -> Tensor");
+  m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None) -> Tensor");
   // The bf16-to-float32 panel GEMMs of base_gemm.h (x·wᵀ, d·w [+ addend], aᵀ·b).
   m.def("_panel_mm_nt(Tensor x, Tensor w) -> Tensor");
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
@@ -136,6 +140,7 @@ TORCH_LIBRARY(kt, m) {
   m.def("_base_mm_nn(Tensor d, Tensor weight, Tensor? scale, Tensor? addend) -> Tensor");
   m.def("_thin_gemm_nn_taken(Tensor d, Tensor weight, Tensor? scale) -> bool");
   m.def(
-      "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa) "
+      "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa, "
+      "float? limit=None) "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
 }

@@ -7,19 +7,29 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
+
 #include "ops/cpu_isa.h"
 
 namespace kt {
 
+// The clamp of SwiGLU variants that bound their pre-activations (transformers' swiglu_limit:
+// DeepSeek-V4, GLM-5, HY-V4): g <- min(g, limit), u <- clamp(u, -limit, limit) before
+// silu(g)·u, as torch.clamp computes them (NaN stays NaN; the gradient is 0 where the clamp
+// cut and where the input is NaN). kNoSwigluLimit: no clamp.
+constexpr double kNoSwigluLimit = std::numeric_limits<double>::infinity();
+
 // h = silu(g)·u.   g, u, h: [n, I].
-void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h);
-void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, CpuIsa isa);
+void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, double limit = kNoSwigluLimit);
+void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, CpuIsa isa,
+                    double limit = kNoSwigluLimit);
 
 // Backward of o_i = w_i · down(silu(g_i)·u_i) through the SwiGLU, for rows i < n, given
 // dh'_i = d(down input) without the routing weight:
 //   dg = w·dh'·u·σ(g)(1 + g(1 − σ(g))),  du = w·dh'·silu(g),
 //   hw = w·silu(g)·u   (the down projection's input for its weight gradients; optional),
 //   dw_i = Σ dh'·silu(g)·u   (the routing weight's gradient; optional).
+// With a limit, g and u are the clamped ones and dg, du are zero where the clamp cut.
 // g, u: [n, I]; dh: [p, I] with p >= n; w: float32/float64 [p] (the accumulation dtype);
 // dg, du, hw: [p, I], rows n..p-1 are written with zeros; dw: [n] accumulation dtype.
 struct SwigluBackwardOut {
@@ -28,8 +38,8 @@ struct SwigluBackwardOut {
   at::Tensor dw;  // undefined: not computed
 };
 void swiglu_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w,
-                     SwigluBackwardOut& out);
+                     SwigluBackwardOut& out, double limit = kNoSwigluLimit);
 void swiglu_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w,
-                     SwigluBackwardOut& out, CpuIsa isa);
+                     SwigluBackwardOut& out, CpuIsa isa, double limit = kNoSwigluLimit);
 
 }  // namespace kt

@@ -19,12 +19,15 @@ Two ways in:
   through ``kt.moe`` on their own weights, in one process, autograd included.
 
 What the kernels compute is SwiGLU experts: concatenated gate|up, not transposed, no bias,
-gated, no post-expert norm, ``silu(gate)·up``, float32/bfloat16/float64 weights.
+gated, no post-expert norm, ``silu(gate)·up`` (or, with a ``swiglu_limit`` L,
+``silu(min(gate, L))·clamp(up, -L, L)``), float32/bfloat16/float64 weights.
 :func:`experts_support` says why a module is refused. The gating is checked by what it
 computes, not by name: transformers' backends call the module's ``_apply_gate`` (the
 decorator's default is ``act_fn(gate)·up``), which some families override, e.g. to clamp gate
-and up at ``swiglu_limit`` (DeepSeek-V4, GLM-5, HY-V4, MiniMax-M3, gpt-oss): kt would silently
-compute other numbers there, so such a module is refused.
+and up at ``swiglu_limit`` (DeepSeek-V4, GLM-5, HY-V4; MiniMax-M3 and gpt-oss also scale
+and shift it, which kt.moe does not compute): each such gating is run
+once on a range of pre-activations and compared with plain and clamped SwiGLU, and kt.moe runs
+with the limit it matched (:func:`swiglu_limit_of`); any other gating is refused.
 """
 from __future__ import annotations
 
@@ -73,7 +76,7 @@ def experts_support(module: nn.Module) -> Optional[str]:
     E, two_i, H = gate_up.shape
     if tuple(down.shape) != (E, H, two_i // 2):
         return f"{cls}: down_proj must have shape [E, H, I] = {[E, H, two_i // 2]}, got {list(down.shape)}"
-    why = _gating_mismatch(module, two_i // 2)
+    why, _ = _gating_verdict(module, two_i // 2)
     if why is not None:
         return why
     if gate_up.dtype not in _KT_DTYPES or down.dtype != gate_up.dtype:
@@ -87,29 +90,45 @@ def experts_support(module: nn.Module) -> Optional[str]:
 _GATING_VERDICTS: dict = {}
 
 
-def _gating_mismatch(module: nn.Module, intermediate: int) -> Optional[str]:
-    """None when the module's gating computes ``silu(gate)·up``, else why not. transformers'
-    default ``_apply_gate`` (``act_fn(gate)·up``) with a SiLU ``act_fn`` is known to; any other
-    gating is probed (_probe_gating)."""
+def _limit_attribute(module: nn.Module) -> Optional[float]:
+    """The clamp a family's gating names (``swiglu_limit``, or gpt-oss-style ``limit``), if any."""
+    for name in ("swiglu_limit", "limit"):
+        value = getattr(module, name, None)
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    return None
+
+
+def _gating_verdict(module: nn.Module, intermediate: int) -> tuple[Optional[str], Optional[float]]:
+    """(None, swiglu_limit) when kt.moe computes the module's gating (``silu(gate)·up``, clamped
+    at swiglu_limit or not), else (why not, None). transformers' default ``_apply_gate``
+    (``act_fn(gate)·up``) with a SiLU ``act_fn`` is known to be plain SwiGLU; any other gating is
+    probed (_probe_gating)."""
     act = getattr(module, "act_fn", None)
     apply_gate = getattr(type(module), "_apply_gate", None)
     if getattr(apply_gate, "__name__", None) == "_default_apply_gate" or apply_gate is None:
         if act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation"):
-            return None
-    limits = tuple(getattr(module, a, None) for a in ("swiglu_limit", "limit"))
-    key = (type(module), act if callable(act) and not isinstance(act, nn.Module) else type(act), limits)
+            return None, None
+    limit = _limit_attribute(module)
+    key = (type(module), act if callable(act) and not isinstance(act, nn.Module) else type(act), limit)
     if key not in _GATING_VERDICTS:
         if torch.compiler.is_compiling():
             return (f"{type(module).__name__} has a gating of its own, which kt checks by running it: call the "
-                    f"model once without torch.compile first")
-        _GATING_VERDICTS[key] = _probe_gating(module, intermediate)
+                    f"model once without torch.compile first"), None
+        _GATING_VERDICTS[key] = _probe_gating(module, intermediate, limit)
     return _GATING_VERDICTS[key]
 
 
-def _probe_gating(module: nn.Module, intermediate: int) -> Optional[str]:
-    """None when the module's gating (its ``_apply_gate``, else ``act_fn(gate)·up``) computes
-    ``silu(gate)·up``, probed in float32 on CPU pre-activations spanning ±_GATE_PROBE_RANGE;
-    else why not."""
+def swiglu_limit_of(module: nn.Module) -> Optional[float]:
+    """The swiglu_limit kt.moe must run this experts module with (None: plain SwiGLU); call after
+    :func:`experts_support` accepted it."""
+    return _gating_verdict(module, module.gate_up_proj.shape[1] // 2)[1]
+
+
+def _probe_gating(module: nn.Module, intermediate: int, limit: Optional[float]) -> tuple[Optional[str], Optional[float]]:
+    """_gating_verdict's probe: the module's gating (its ``_apply_gate``, else
+    ``act_fn(gate)·up``) on float32 CPU pre-activations spanning ±_GATE_PROBE_RANGE against
+    ``silu(gate)·up`` in float64, and against the clamped form when the module names a limit."""
     cls = type(module).__name__
     act = getattr(module, "act_fn", None)
     act_name = getattr(act, "__name__", None) or type(act).__name__
@@ -117,22 +136,23 @@ def _probe_gating(module: nn.Module, intermediate: int) -> Optional[str]:
     gate_up = torch.linspace(-_GATE_PROBE_RANGE, _GATE_PROBE_RANGE, steps, dtype=torch.float32).view(16, 2 * intermediate)
     gate_up = torch.cat([gate_up[:, :intermediate], gate_up[:, intermediate:].flip(0)], dim=1)  # big gate, small up and back
     gate, up = gate_up.double().chunk(2, dim=-1)
-    expected = torch.nn.functional.silu(gate) * up
+    candidates = [None] + ([limit] if limit is not None and limit > 0 else [])
     try:
         apply_gate = getattr(module, "_apply_gate", None)
         with torch.no_grad():
             got = apply_gate(gate_up) if apply_gate is not None else act(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        same = isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(
-            got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+        for candidate in candidates:
+            g, u = (gate, up) if candidate is None else (gate.clamp(max=candidate), up.clamp(-candidate, candidate))
+            expected = torch.nn.functional.silu(g) * u
+            if isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(
+                    got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
+                return None, candidate
     except Exception as e:  # noqa: BLE001 - a gating we cannot even call is not ours
-        return f"{cls}'s gating cannot be probed ({type(e).__name__}: {e}); kt.moe computes silu(gate)·up experts only"
-    if same:
-        return None
-    limit = next((getattr(module, a) for a in ("swiglu_limit", "limit") if isinstance(getattr(module, a, None), (int, float))), None)
+        return f"{cls}'s gating cannot be probed ({type(e).__name__}: {e}); kt.moe computes silu(gate)·up experts only", None
     if limit is not None:
-        return (f"{cls} clamps gate and up at swiglu_limit={limit}; kt.moe computes unclamped SwiGLU experts "
-                f"(silu(gate)·up) only")
-    return f"{cls}'s activation is {act_name}; kt.moe computes SwiGLU experts (silu(gate)·up) only"
+        return (f"{cls}'s gating with swiglu_limit={limit} is not silu(min(gate, limit))·clamp(up, -limit, limit); "
+                f"kt.moe computes that and plain SwiGLU experts only"), None
+    return f"{cls}'s activation is {act_name}; kt.moe computes SwiGLU experts (silu(gate)·up) only", None
 
 
 def _masked(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -175,7 +195,7 @@ def kt_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tens
     cpu = torch.device("cpu")
     out = torch.ops.kt.moe(hidden_states.to(cpu, gate_up.dtype), ids.to(cpu), weights.to(cpu),
                            gate_up[:, :I].to(cpu), gate_up[:, I:].to(cpu), down.to(cpu),
-                           None, None, None, None, None, None, 1.0)
+                           None, None, None, None, None, None, 1.0, None, None, None, swiglu_limit_of(self))
     return out.to(hidden_states.device, hidden_states.dtype)
 
 
