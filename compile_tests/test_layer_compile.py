@@ -12,10 +12,10 @@ from graph_capture import GraphCapture
 from tiny_moe_model import make_lora_trainable
 
 
-def make_layer(train_base=False, lora_rank=4, swiglu_limit=None):
+def make_layer(train_base=False, lora_rank=4, swiglu_limit=None, activation="silu"):
     torch.manual_seed(0)
     layer = kt_ops.KTMoE(32, 24, 6, 2, lora_rank=lora_rank, train_base=train_base, dtype=torch.float32,
-                         swiglu_limit=swiglu_limit)
+                         swiglu_limit=swiglu_limit, activation=activation)
     make_lora_trainable(layer)
     return layer
 
@@ -55,19 +55,21 @@ def test_modes_aot_eager_match_eager(train_base, lora_rank):
     assert_all_close(step(compiled, layer, x), step(layer, layer, x))
 
 
-def test_clamped_swiglu_reaches_both_graphs():
-    """KTMoE(swiglu_limit=...) compiled: the limit is an argument of kt.moe_forward and of
-    kt.moe_backward in the graphs, and forward and gradients equal eager with the clamp cutting."""
-    layer = make_layer(train_base=True, swiglu_limit=0.5)
+def test_gating_arguments_reach_both_graphs():
+    """KTMoE(swiglu_limit=..., activation="gelu_tanh") compiled: both are arguments of
+    kt.moe_forward and of kt.moe_backward in the graphs, and forward and gradients equal eager
+    with the clamp cutting."""
+    layer = make_layer(train_base=True, swiglu_limit=0.5, activation="gelu_tanh")
     capture = GraphCapture()
     compiled = torch.compile(layer, backend=capture.backend, fullgraph=True)
     x = torch.randn(9, 32) * 4
     assert_all_close(step(compiled, layer, x), step(layer, layer, x))
-    unclamped = make_layer(train_base=True)
+    unclamped = make_layer(train_base=True, activation="gelu_tanh")
     assert (layer(x) - unclamped(x)).abs().max() > 1e-3  # the clamp cut
     for graphs, op in ((capture.forward_graphs, "kt.moe_forward.default"), (capture.backward_graphs, "kt.moe_backward.default")):
         (node,) = [n for gm in graphs for n in gm.graph.nodes if str(n.target) == op]
-        assert 0.5 in list(node.args) + list(node.kwargs.values()), node.format_node()
+        args = list(node.args) + list(node.kwargs.values())
+        assert 0.5 in args and "gelu_tanh" in args, node.format_node()
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
 
 

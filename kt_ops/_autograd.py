@@ -22,7 +22,7 @@ _GRAD_INPUTS = {
     10: 9,  # down_lora_a
     11: 10,  # down_lora_b
 }
-_NUM_INPUTS = 18  # moe_forward's 12 tensors, lora_scale, save_activations, 3 scales, swiglu_limit
+_NUM_INPUTS = 19  # moe_forward's 12 tensors, lora_scale, save_activations, 3 scales, swiglu_limit, activation
 _SCALES = slice(14, 17)  # gate_scale, up_scale, down_scale (quantized base weights only)
 _BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -33,7 +33,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradient for the activations output
     ctx.lora_scale = inputs[12]
     ctx.saved_activations = inputs[13]
-    ctx.swiglu_limit = inputs[17]
+    ctx.swiglu_limit, ctx.activation = inputs[17], inputs[18]
     tensors = list(inputs[:12])
     scales = list(inputs[_SCALES])
     for name, weight, scale in zip(_BASE_NAMES, tensors[3:6], scales):
@@ -64,7 +64,7 @@ def _backward(ctx, grad_output, _grad_activations):
         return (None,) * _NUM_INPUTS
     grads = torch.ops.kt.moe_backward(
         grad_output.contiguous(), hidden, ids, weights, activations, gate, up, down,
-        *lora_tensors, ctx.lora_scale, output_mask, *scales, ctx.swiglu_limit,
+        *lora_tensors, ctx.lora_scale, output_mask, *scales, ctx.swiglu_limit, ctx.activation,
     )
     result = [None] * _NUM_INPUTS
     for input_index, slot in _GRAD_INPUTS.items():

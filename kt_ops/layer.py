@@ -56,7 +56,8 @@ class KTMoE(nn.Module):
 
     ``swiglu_limit`` (None, or a number > 0): the experts clamp gate at ``min(g, L)`` and up at
     ``clamp(u, -L, L)`` before ``silu(g)·u``, as transformers' clamped SwiGLU families
-    (DeepSeek-V4, GLM-5, HY-V4) do.
+    (DeepSeek-V4, GLM-5, HY-V4) do. ``activation="gelu_tanh"``: GeGLU experts (GELU's tanh
+    approximation in place of SiLU, as Gemma 4's).
 
     Gradient semantics: the owner's expert (and LoRA) gradients are the *average* over ranks
     of each rank's loss gradient, exactly what DDP would give if every rank held the experts,
@@ -80,7 +81,7 @@ class KTMoE(nn.Module):
                  process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16,
                  router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
                  group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None,
-                 swiglu_limit: Optional[float] = None):
+                 swiglu_limit: Optional[float] = None, activation: str = "silu"):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -103,6 +104,9 @@ class KTMoE(nn.Module):
         if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
             raise ValueError(f"KTMoE: swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
+        if activation not in ("silu", "gelu_tanh"):
+            raise ValueError(f"KTMoE: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+        self.activation = activation
         self.expert_dtype = dtype  # of activations, LoRA and (unless quantized) the base weights
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -318,7 +322,8 @@ class KTMoE(nn.Module):
         """kt.moe where the experts live (the owner's CPU); x, ids, weights may be anywhere."""
         device, dtype = self.gate_proj.device, self.expert_dtype
         out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
-                               *self.expert_tensors(), self.lora_scale, *self.expert_scales(), self.swiglu_limit)
+                               *self.expert_tensors(), self.lora_scale, *self.expert_scales(), self.swiglu_limit,
+                               self.activation)
         return out.to(x.device, x.dtype)
 
     def _group_name(self) -> str:

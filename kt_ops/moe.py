@@ -23,6 +23,7 @@ def moe(
     up_scale: Optional[Tensor] = None,
     down_scale: Optional[Tensor] = None,
     swiglu_limit: Optional[float] = None,
+    activation: str = "silu",
 ) -> Tensor:
     """Routed SwiGLU experts with optional LoRA; same call as ``torch.ops.kt.moe``.
 
@@ -53,6 +54,9 @@ def moe(
         swiglu_limit: None, or ``L > 0``: gate and up are clamped first, as transformers'
             clamped SwiGLU (``swiglu_limit`` of DeepSeek-V4, GLM-5, HY-V4) computes them;
             their gradients are zero where the clamp cut (torch.clamp's).
+        activation: the gate's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU with
+            GELU's tanh approximation, transformers' ``gelu_pytorch_tanh``: Gemma 4), in place
+            of silu in ``h`` above.
 
     Returns:
         ``[..., H]`` in the dtype of ``hidden_states``.
@@ -65,5 +69,5 @@ def moe(
         hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
         gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
         float(lora_scale), gate_scale, up_scale, down_scale,
-        None if swiglu_limit is None else float(swiglu_limit),
+        None if swiglu_limit is None else float(swiglu_limit), activation,
     )

@@ -21,7 +21,8 @@ def _project(inp: Tensor, weight: Tensor, lora_a: Optional[Tensor], lora_b: Opti
 
 def moe_reference(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                   gate_lora_a=None, gate_lora_b=None, up_lora_a=None, up_lora_b=None,
-                  down_lora_a=None, down_lora_b=None, lora_scale=1.0, swiglu_limit=None) -> Tensor:
+                  down_lora_a=None, down_lora_b=None, lora_scale=1.0, swiglu_limit=None,
+                  activation="silu") -> Tensor:
     """Same math and arguments as :func:`kt_ops.moe`, computed per (token, slot) pair."""
     H = hidden_states.shape[-1]
     K = topk_ids.shape[-1]
@@ -39,7 +40,8 @@ def moe_reference(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, dow
     if swiglu_limit is not None:  # as transformers' clamped SwiGLU (DeepSeek-V4's _apply_gate)
         g = g.clamp(max=swiglu_limit)
         u = u.clamp(min=-swiglu_limit, max=swiglu_limit)
-    h = F.silu(g) * u
+    act = {"silu": F.silu, "gelu_tanh": lambda v: F.gelu(v, approximate="tanh")}[activation]
+    h = act(g) * u
     o = _project(h, gathered(down_proj), gathered(down_lora_a), gathered(down_lora_b), lora_scale)
     y = (w.unsqueeze(-1).to(o.dtype) * o).sum(1)
     return y.reshape(hidden_states.shape).to(hidden_states.dtype)

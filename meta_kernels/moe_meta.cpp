@@ -7,6 +7,7 @@
 #include <torch/library.h>
 
 #include "ops/moe_checks.h"
+#include "ops/swiglu.h"
 
 namespace kt {
 namespace {
@@ -19,11 +20,12 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_meta(
     const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
     double lora_scale, bool save_activations, const std::optional<at::Tensor>& gate_scale,
     const std::optional<at::Tensor>& up_scale, const std::optional<at::Tensor>& down_scale,
-    std::optional<double> swiglu_limit) {
+    std::optional<double> swiglu_limit, c10::string_view activation) {
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                                           {gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b},
                                           lora_scale, {gate_scale, up_scale, down_scale});
   checked_swiglu_limit(swiglu_limit);
+  parse_gated_activation(std::string(activation));
   return {at::empty_symint(hidden_states.sym_sizes(), hidden_states.options()),
           at::empty_symint(activation_shape(sizes, save_activations), hidden_states.options())};
 }
@@ -46,9 +48,10 @@ std::vector<at::Tensor> moe_backward_meta(
     const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
     const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list,
     const std::optional<at::Tensor>& gate_scale, const std::optional<at::Tensor>& up_scale,
-    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit) {
+    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
   checked_swiglu_limit(swiglu_limit);
+  parse_gated_activation(std::string(activation));
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                                           lora, lora_scale, {gate_scale, up_scale, down_scale});
   check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask_list);

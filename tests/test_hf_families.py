@@ -22,7 +22,7 @@ peft = pytest.importorskip("peft")
 import kt_ops  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from hf_families import classify, discover, input_ids, run, tiny_model  # noqa: E402
-from kt_ops.hf.experts import is_experts_module, kt_experts_forward, swiglu_limit_of  # noqa: E402
+from kt_ops.hf.experts import gating_of, is_experts_module, kt_experts_forward  # noqa: E402
 from test_hf_adapters import R, peft_lora_grads_as_kt, peft_model  # noqa: E402
 from test_hf_patching import rel_err  # noqa: E402
 from kt_ops.hf.patch import patched_blocks  # noqa: E402
@@ -49,6 +49,13 @@ def assert_experts_match_at_large_activations(model, scale: float = 40.0):
             pre = x @ module.gate_up_proj[0].T
             assert pre.abs().max() > 20, "the probe must reach beyond the families' clamps (7-10)"
             assert rel_err(kt_experts_forward(module, x, ids, w), module(x, ids, w)) <= 1e-5, type(module).__name__
+
+
+# Families whose tiny model's float32 LoRA gradients are further than 1e-5 from float64 whoever
+# computes them. Gemma 4 (first layer; measured by the same step in float64, with transformers'
+# eager experts): PEFT's float32 gradients 0.8-1.4e-5 from float64, kt's 0.9-2.0e-5, while kt and
+# PEFT in float64 agree to 1e-15.
+LORA_GRAD_TOLERANCE = {"gemma4": 4e-5}
 
 
 @lru_cache(maxsize=None)
@@ -105,7 +112,7 @@ def test_family(family, tmp_path):
     for (name, kt_name), g in grads.items():
         kt_param = getattr(lora.get_submodule(name).experts, kt_name)
         kt_grad = kt_param.grad if kt_param.grad is not None else torch.zeros_like(kt_param)
-        assert rel_err(kt_grad, g) <= 1e-5, (name, kt_name)
+        assert rel_err(kt_grad, g) <= LORA_GRAD_TOLERANCE.get(family.name, 1e-5), (name, kt_name)
 
     # and back: kt writes the very adapter PEFT wrote (the adapter kt loaded, not yet stepped) ...
     kt_ops.save_adapter(lora, tmp_path / "kt")
@@ -158,7 +165,7 @@ def test_clamped_gating_runs_with_its_limit():
     runs it with the limit it matched (the family's test_family checks the numbers)."""
     model, experts = _deepseek_v4_experts()
     assert type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation") and experts.limit == 10.0
-    assert swiglu_limit_of(experts) == 10.0
+    assert gating_of(experts) == {"swiglu_limit": 10.0, "activation": "silu"}
     patched = kt_ops.patch_model(model)
     assert {m.swiglu_limit for m in patched.modules() if isinstance(m, kt_ops.KTMoE)} == {10.0}
 
@@ -176,9 +183,29 @@ def test_other_clamped_gating_is_refused():
     experts.__class__ = OtherClamp
     before = [type(m) for m in model.modules()]
     with pytest.raises(ValueError, match=r"OtherClamp's gating with swiglu_limit=10.0 is not "
-                                         r"silu\(min\(gate, limit\)\)·clamp\(up, -limit, limit\)"):
+                                         r"act\(min\(gate, limit\)\)·clamp\(up, -limit, limit\)"):
         kt_ops.patch_model(model)
     assert [type(m) for m in model.modules()] == before
     x, ids, w = torch.randn(3, experts.gate_up_proj.shape[2]), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
     with pytest.raises(ValueError, match=r'experts_implementation="kt": OtherClamp'):
         kt_experts_forward(experts, x, ids, w)
+
+
+def test_geglu_experts_run_as_gelu_tanh():
+    """Gemma 4's experts gate with gelu_pytorch_tanh (transformers' default _apply_gate): kt.moe
+    runs them with activation="gelu_tanh" (test_family checks the numbers). GELU's erf form, a
+    different function by up to 4.7e-4 at 2, is not taken for it."""
+    family = next((f for f in FAMILIES if f.name == "gemma4"), None)
+    if family is None:
+        pytest.skip("no gemma4 in this transformers")
+    model = tiny_model(family)
+    experts = next(m for m in model.modules() if is_experts_module(m))
+    assert gating_of(experts) == {"swiglu_limit": None, "activation": "gelu_tanh"}
+
+    class ErfGelu(type(experts)):
+        pass
+
+    experts.__class__ = ErfGelu
+    experts.act_fn = torch.nn.GELU()
+    with pytest.raises(ValueError, match=r"ErfGelu's activation is GELU; kt.moe computes SwiGLU and GeGLU experts"):
+        kt_ops.patch_model(model)

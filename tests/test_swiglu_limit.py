@@ -1,5 +1,6 @@
-"""kt.moe with ``swiglu_limit`` (transformers' clamped SwiGLU: DeepSeek-V4, GLM-5-Next, HY-V4
-compute ``silu(min(g, L))·clamp(u, -L, L)``): the output and every gradient against
+"""kt.moe's gating arguments: ``swiglu_limit`` (transformers' clamped SwiGLU: DeepSeek-V4,
+GLM-5-Next, HY-V4 compute ``silu(min(g, L))·clamp(u, -L, L)``) and ``activation="gelu_tanh"``
+(GeGLU, Gemma 4), alone and together: the output and every gradient against
 the float64 reference (kt_ops.reference with the clamp) for each dtype and training mode, on
 pre-activations well past the limit; gradcheck in float64; opcheck; quantized experts; KTMoE;
 bad limits refused by name. The kernels themselves, on every path: tests/test_cpu_kernels.py."""
@@ -13,7 +14,7 @@ from kt_ops import quantization
 from moe_samples import make_moe_inputs, positional
 from moe_testing import TOLERANCE, grad_output_for, rel_err, run_op, run_reference
 
-def clamped_case(dtype=torch.float32, mode="hybrid", r=4, seed=0, T=5, H=48, I=40):
+def clamped_case(dtype=torch.float32, mode="hybrid", r=4, seed=0, T=5, H=48, I=40, activation="silu"):
     """make_moe_inputs with larger hidden states (x3) and a swiglu_limit that many gate and up
     pre-activations pass (I = 40: SIMD steps and a tail on every path). The limit is the middle
     of the widest gap between pre-activations in [1, 2.5]: at the kinks ±limit, bf16's rounding
@@ -28,8 +29,9 @@ def clamped_case(dtype=torch.float32, mode="hybrid", r=4, seed=0, T=5, H=48, I=4
     values = values[(values > 1.0) & (values < 2.5)]
     gaps = values[1:] - values[:-1]
     widest = int(gaps.argmax())
-    assert gaps[widest] > 0.02, "no gap wide enough for the limit"
+    assert gaps[widest] > 0.02, "no gap wide enough for the limit"  # bf16 rounds g in [1, 2.5) by < 0.008
     kwargs["swiglu_limit"] = float(values[widest] + gaps[widest] / 2)
+    kwargs["activation"] = activation
     return kwargs
 
 
@@ -52,8 +54,9 @@ def pre_activations(kwargs):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64], ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("mode", ["inference", "lora", "full", "hybrid"])
-def test_clamped_moe_matches_float64_reference(dtype, mode):
-    kwargs = clamped_case(dtype, mode)
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_clamped_moe_matches_float64_reference(dtype, mode, activation):
+    kwargs = clamped_case(dtype, mode, activation=activation)
     g, u = pre_activations(kwargs)
     L = kwargs["swiglu_limit"]
     # The clamp must act on both sides for the test to mean anything.
@@ -61,17 +64,34 @@ def test_clamped_moe_matches_float64_reference(dtype, mode):
     dy = grad_output_for(kwargs)
     out, grads = run_op(kwargs, dy)
     ref_out, ref_grads = run_reference(kwargs, dy)
-    tol = TOLERANCE[dtype]
+    # bf16: the clamp zeroes the gradient of every element it cut, so the gate-side gradients sum
+    # fewer, smaller terms and bf16's rounding weighs more: up to 1.5% over seeds 0-2 at these
+    # sizes, against 0.5-0.8% unclamped (the bounds are never crossed by rounding: see clamped_case).
+    tol = 2e-2 if dtype == torch.bfloat16 else TOLERANCE[dtype]
     assert rel_err(out, ref_out) <= tol
     assert grads.keys() == ref_grads.keys()
     for name, grad in grads.items():
         assert rel_err(grad, ref_grads[name]) <= tol, name
     unclamped = dict(kwargs, swiglu_limit=None)
-    assert rel_err(run_reference(unclamped, dy)[0], ref_out) > 50 * tol  # the clamp changes the result
+    assert rel_err(run_reference(unclamped, dy)[0], ref_out) > 0.05  # the clamp changes the result
+    other = dict(kwargs, activation={"silu": "gelu_tanh", "gelu_tanh": "silu"}[activation])
+    assert rel_err(run_reference(other, dy)[0], ref_out) > 0.05  # and so does the activation
 
 
-def test_gradcheck_float64_across_the_limit():
-    kwargs = clamped_case(torch.float64, "hybrid", T=4, H=16, I=12)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_unclamped_geglu_matches_float64_reference(dtype):
+    kwargs = dict(clamped_case(dtype, "hybrid", activation="gelu_tanh"), swiglu_limit=None)
+    dy = grad_output_for(kwargs)
+    out, grads = run_op(kwargs, dy)
+    ref_out, ref_grads = run_reference(kwargs, dy)
+    assert rel_err(out, ref_out) <= TOLERANCE[dtype]
+    for name, grad in grads.items():
+        assert rel_err(grad, ref_grads[name]) <= TOLERANCE[dtype], name
+
+
+@pytest.mark.parametrize("activation", ["silu", "gelu_tanh"])
+def test_gradcheck_float64_across_the_limit(activation):
+    kwargs = clamped_case(torch.float64, "hybrid", T=4, H=16, I=12, activation=activation)
     g, u = pre_activations(kwargs)
     L = kwargs["swiglu_limit"]
     assert (g > L).any() and (u.abs() > L).any()
@@ -87,14 +107,15 @@ def test_gradcheck_float64_across_the_limit():
 def test_opcheck_with_swiglu_limit(dtype, mode):
     kwargs = clamped_case(dtype, mode)
     args = positional(kwargs)
-    torch.library.opcheck(torch.ops.kt.moe, args + (None, None, None, kwargs["swiglu_limit"]))
+    gating = (kwargs["swiglu_limit"], "gelu_tanh")
+    torch.library.opcheck(torch.ops.kt.moe, args + (None, None, None, *gating))
     detached = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-    torch.library.opcheck(torch.ops.kt.moe_forward, detached + (True, None, None, None, kwargs["swiglu_limit"]))
-    _, activations = torch.ops.kt.moe_forward(*detached, True, None, None, None, kwargs["swiglu_limit"])
+    torch.library.opcheck(torch.ops.kt.moe_forward, detached + (True, None, None, None, *gating))
+    _, activations = torch.ops.kt.moe_forward(*detached, True, None, None, None, *gating)
     dy = grad_output_for(kwargs)
     mask = [True] * 11 if mode == "hybrid" else [True, True, False, False, False] + [True] * 6
     torch.library.opcheck(torch.ops.kt.moe_backward,
-                          (dy, *detached[:3], activations, *detached[3:], mask, None, None, None, kwargs["swiglu_limit"]))
+                          (dy, *detached[:3], activations, *detached[3:], mask, None, None, None, *gating))
 
 
 @pytest.mark.parametrize("fmt,group", [("int8", None), ("int4", 32)])
@@ -136,6 +157,14 @@ def test_bad_swiglu_limit_is_refused(limit):
         kt_ops.moe(**dict(kwargs, swiglu_limit=limit))
     with pytest.raises(ValueError, match=r"KTMoE: swiglu_limit must be None or a number > 0"):
         kt_ops.KTMoE(32, 24, 4, 2, swiglu_limit=limit)
+
+
+def test_unknown_activation_is_refused():
+    kwargs = clamped_case(torch.float32, "inference")
+    with pytest.raises(ValueError, match=r"kt.moe: activation must be 'silu' \(SwiGLU\) or 'gelu_tanh'.*got 'relu'"):
+        kt_ops.moe(**dict(kwargs, activation="relu"))
+    with pytest.raises(ValueError, match=r"KTMoE: activation must be 'silu' or 'gelu_tanh', got 'gelu'"):
+        kt_ops.KTMoE(32, 24, 4, 2, activation="gelu")
 
 
 def test_infinite_limit_is_no_clamp():

@@ -100,10 +100,11 @@ std::vector<at::Tensor> moe_backward_cpu(
     const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
     const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list,
     const std::optional<at::Tensor>& gate_scale, const std::optional<at::Tensor>& up_scale,
-    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit) {
+    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
   const BaseScales scales{gate_scale, up_scale, down_scale};
   const double limit = checked_swiglu_limit(swiglu_limit);
+  const GatedActivation gate_act = parse_gated_activation(std::string(activation));
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
                                           down_proj, lora, lora_scale, scales);
   check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask_list);
@@ -172,7 +173,7 @@ std::vector<at::Tensor> moe_backward_cpu(
     sw.du = dgu.narrow(1, I, I);
     if (need_scaled_dy) sw.hw = at::empty({padded, I}, in.x.options());
     if (need(kWeights)) sw.dw = dw_rows.narrow(0, blk.begin, n);
-    swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw, limit);
+    swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw, limit, gate_act);
     weight_backward(dy, sw.hw, n, q_down, in.lora.down_a, s, e,
                     {need(kDown), need(kDownA), need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]});
     if (!need_dgu) return;

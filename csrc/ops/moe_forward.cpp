@@ -36,9 +36,9 @@ constexpr int64_t kForwardBlockRows = 256;
 // at 4 rows and the dot products 1.5x slower at 8 (benchmarks/gemv_rows.py).
 constexpr int64_t kGemvMaxRows = 4;
 
-at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, double limit) {
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, double limit, GatedActivation act) {
   at::Tensor h = at::empty(g.sizes(), g.options());
-  swiglu_forward(g, u, h, limit);
+  swiglu_forward(g, u, h, limit, act);
   return h;
 }
 
@@ -50,9 +50,10 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
     double lora_scale, bool save_activations, const std::optional<at::Tensor>& gate_scale,
     const std::optional<at::Tensor>& up_scale, const std::optional<at::Tensor>& down_scale,
-    std::optional<double> swiglu_limit) {
+    std::optional<double> swiglu_limit, c10::string_view activation) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
   const double limit = checked_swiglu_limit(swiglu_limit);
+  const GatedActivation act = parse_gated_activation(std::string(activation));
   const BaseScales scales{gate_scale, up_scale, down_scale};
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
                                           down_proj, lora, lora_scale, scales);
@@ -104,7 +105,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
       activations[0].narrow(0, blk.begin, n).copy_(g.narrow(0, 0, n));
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
-    const at::Tensor h = swiglu(g, u, limit);
+    const at::Tensor h = swiglu(g, u, limit, act);
     at::Tensor o = gemv ? thin_gemm_nt(h, in.down.expert(e))
                         : packed ? packed_linear(h, packed->down[e]) : base_mm_nt(h, in.down.expert(e));
     add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);

@@ -27,9 +27,9 @@ PyObject* PyInit__C(void) {
 // that calls on dense weights are unchanged.
 #define KT_SCALE_ARGS "Tensor? gate_scale=None, Tensor? up_scale=None, Tensor? down_scale=None"
 
-// The clamp of SwiGLU variants with a swiglu_limit (csrc/ops/swiglu.h), after the scales for
-// the same reason.
-#define KT_LIMIT_ARGS "float? swiglu_limit=None"
+// The gating (csrc/ops/swiglu.h): the clamp of SwiGLU variants with a swiglu_limit, and the
+// gate's activation ('silu' or 'gelu_tanh'); after the scales for the same reason.
+#define KT_LIMIT_ARGS "float? swiglu_limit=None, str activation=\"silu\""
 
 TORCH_LIBRARY(kt, m) {
   // The public, differentiable op. CompositeImplicitAutograd: it calls moe_forward and
@@ -109,7 +109,7 @@ TORCH_LIBRARY(kt, m) {
   // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
-  m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None) -> Tensor");
+  m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None, str activation=\"silu\") -> Tensor");
   // The bf16-to-float32 panel GEMMs of base_gemm.h (x·wᵀ, d·w [+ addend], aᵀ·b).
   m.def("_panel_mm_nt(Tensor x, Tensor w) -> Tensor");
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
@@ -141,6 +141,6 @@ TORCH_LIBRARY(kt, m) {
   m.def("_thin_gemm_nn_taken(Tensor d, Tensor weight, Tensor? scale) -> bool");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa, "
-      "float? limit=None) "
+      "float? limit=None, str activation=\"silu\") "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
 }

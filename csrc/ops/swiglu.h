@@ -19,17 +19,27 @@ namespace kt {
 // cut and where the input is NaN). kNoSwigluLimit: no clamp.
 constexpr double kNoSwigluLimit = std::numeric_limits<double>::infinity();
 
+// The gate's activation act(g) in h = act(g)·u: SiLU (SwiGLU) or the tanh approximation of
+// GELU (GeGLU, transformers' gelu_pytorch_tanh: Gemma 4). Both are g·σ(z): z = g for SiLU,
+// z = 2·sqrt(2/π)·(g + 0.044715·g³) for GELU-tanh (0.5·(1 + tanh(y)) = σ(2y)).
+enum class GatedActivation { kSilu, kGeluTanh };
+
+// "silu" | "gelu_tanh"; ValueError naming `activation` otherwise.
+GatedActivation parse_gated_activation(const std::string& activation);
+
 // h = silu(g)·u.   g, u, h: [n, I].
-void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, double limit = kNoSwigluLimit);
+void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, double limit = kNoSwigluLimit,
+                    GatedActivation act = GatedActivation::kSilu);
 void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, CpuIsa isa,
-                    double limit = kNoSwigluLimit);
+                    double limit = kNoSwigluLimit, GatedActivation act = GatedActivation::kSilu);
 
 // Backward of o_i = w_i · down(silu(g_i)·u_i) through the SwiGLU, for rows i < n, given
 // dh'_i = d(down input) without the routing weight:
 //   dg = w·dh'·u·σ(g)(1 + g(1 − σ(g))),  du = w·dh'·silu(g),
 //   hw = w·silu(g)·u   (the down projection's input for its weight gradients; optional),
 //   dw_i = Σ dh'·silu(g)·u   (the routing weight's gradient; optional).
-// With a limit, g and u are the clamped ones and dg, du are zero where the clamp cut.
+// With a limit, g and u are the clamped ones and dg, du are zero where the clamp cut. With
+// GELU-tanh, silu and its derivative above are act(g) = g·σ(z) and σ(z) + act(g)(1 − σ(z))·z'.
 // g, u: [n, I]; dh: [p, I] with p >= n; w: float32/float64 [p] (the accumulation dtype);
 // dg, du, hw: [p, I], rows n..p-1 are written with zeros; dw: [n] accumulation dtype.
 struct SwigluBackwardOut {
@@ -38,8 +48,10 @@ struct SwigluBackwardOut {
   at::Tensor dw;  // undefined: not computed
 };
 void swiglu_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w,
-                     SwigluBackwardOut& out, double limit = kNoSwigluLimit);
+                     SwigluBackwardOut& out, double limit = kNoSwigluLimit,
+                     GatedActivation act = GatedActivation::kSilu);
 void swiglu_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w,
-                     SwigluBackwardOut& out, CpuIsa isa, double limit = kNoSwigluLimit);
+                     SwigluBackwardOut& out, CpuIsa isa, double limit = kNoSwigluLimit,
+                     GatedActivation act = GatedActivation::kSilu);
 
 }  // namespace kt

@@ -19,15 +19,16 @@ Two ways in:
   through ``kt.moe`` on their own weights, in one process, autograd included.
 
 What the kernels compute is SwiGLU experts: concatenated gate|up, not transposed, no bias,
-gated, no post-expert norm, ``silu(gate)·up`` (or, with a ``swiglu_limit`` L,
-``silu(min(gate, L))·clamp(up, -L, L)``), float32/bfloat16/float64 weights.
+gated, no post-expert norm, ``act(gate)·up`` with ``act`` SiLU or GELU's tanh approximation
+(or, with a ``swiglu_limit`` L, ``act(min(gate, L))·clamp(up, -L, L)``), float32/bfloat16/float64
+weights.
 :func:`experts_support` says why a module is refused. The gating is checked by what it
 computes, not by name: transformers' backends call the module's ``_apply_gate`` (the
 decorator's default is ``act_fn(gate)·up``), which some families override, e.g. to clamp gate
 and up at ``swiglu_limit`` (DeepSeek-V4, GLM-5, HY-V4; MiniMax-M3 and gpt-oss also scale
 and shift it, which kt.moe does not compute): each such gating is run
-once on a range of pre-activations and compared with plain and clamped SwiGLU, and kt.moe runs
-with the limit it matched (:func:`swiglu_limit_of`); any other gating is refused.
+once on a range of pre-activations and compared with those forms, and kt.moe runs the one it
+matched (:func:`gating_of`); any other gating is refused.
 """
 from __future__ import annotations
 
@@ -76,7 +77,7 @@ def experts_support(module: nn.Module) -> Optional[str]:
     E, two_i, H = gate_up.shape
     if tuple(down.shape) != (E, H, two_i // 2):
         return f"{cls}: down_proj must have shape [E, H, I] = {[E, H, two_i // 2]}, got {list(down.shape)}"
-    why, _ = _gating_verdict(module, two_i // 2)
+    why, _, _ = _gating_verdict(module, two_i // 2)
     if why is not None:
         return why
     if gate_up.dtype not in _KT_DTYPES or down.dtype != gate_up.dtype:
@@ -99,60 +100,77 @@ def _limit_attribute(module: nn.Module) -> Optional[float]:
     return None
 
 
-def _gating_verdict(module: nn.Module, intermediate: int) -> tuple[Optional[str], Optional[float]]:
-    """(None, swiglu_limit) when kt.moe computes the module's gating (``silu(gate)·up``, clamped
-    at swiglu_limit or not), else (why not, None). transformers' default ``_apply_gate``
-    (``act_fn(gate)·up``) with a SiLU ``act_fn`` is known to be plain SwiGLU; any other gating is
-    probed (_probe_gating)."""
+def _gating_verdict(module: nn.Module, intermediate: int) -> tuple[Optional[str], Optional[float], str]:
+    """(None, swiglu_limit, activation) when kt.moe computes the module's gating
+    (``act(gate)·up``, act "silu" or "gelu_tanh", clamped at swiglu_limit or not), else
+    (why not, None, "silu"). transformers' default ``_apply_gate`` (``act_fn(gate)·up``) with a
+    SiLU ``act_fn`` is known to be plain SwiGLU; any other gating is probed (_probe_gating)."""
     act = getattr(module, "act_fn", None)
     apply_gate = getattr(type(module), "_apply_gate", None)
     if getattr(apply_gate, "__name__", None) == "_default_apply_gate" or apply_gate is None:
         if act is torch.nn.functional.silu or type(act).__name__ in ("SiLU", "SiLUActivation"):
-            return None, None
+            return None, None, "silu"
     limit = _limit_attribute(module)
     key = (type(module), act if callable(act) and not isinstance(act, nn.Module) else type(act), limit)
     if key not in _GATING_VERDICTS:
         if torch.compiler.is_compiling():
             return (f"{type(module).__name__} has a gating of its own, which kt checks by running it: call the "
-                    f"model once without torch.compile first"), None
+                    f"model once without torch.compile first"), None, "silu"
         _GATING_VERDICTS[key] = _probe_gating(module, intermediate, limit)
     return _GATING_VERDICTS[key]
 
 
-def swiglu_limit_of(module: nn.Module) -> Optional[float]:
-    """The swiglu_limit kt.moe must run this experts module with (None: plain SwiGLU); call after
-    :func:`experts_support` accepted it."""
-    return _gating_verdict(module, module.gate_up_proj.shape[1] // 2)[1]
+def gating_of(module: nn.Module) -> dict:
+    """``{"swiglu_limit": ..., "activation": ...}``: the gating kt.moe must run this experts
+    module with; call after :func:`experts_support` accepted it."""
+    _, limit, activation = _gating_verdict(module, module.gate_up_proj.shape[1] // 2)
+    return {"swiglu_limit": limit, "activation": activation}
 
 
-def _probe_gating(module: nn.Module, intermediate: int, limit: Optional[float]) -> tuple[Optional[str], Optional[float]]:
+_ACTIVATIONS = {"silu": torch.nn.functional.silu,
+                "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
+
+
+def _probe_gating(module: nn.Module, intermediate: int, limit: Optional[float]) -> tuple[Optional[str], Optional[float], str]:
     """_gating_verdict's probe: the module's gating (its ``_apply_gate``, else
     ``act_fn(gate)·up``) on float32 CPU pre-activations spanning ±_GATE_PROBE_RANGE against
-    ``silu(gate)·up`` in float64, and against the clamped form when the module names a limit."""
+    ``act(gate)·up`` in float64 for each activation kt.moe computes, unclamped and, when the
+    module names a limit, clamped."""
     cls = type(module).__name__
     act = getattr(module, "act_fn", None)
     act_name = getattr(act, "__name__", None) or type(act).__name__
-    steps = 16 * 2 * intermediate
-    gate_up = torch.linspace(-_GATE_PROBE_RANGE, _GATE_PROBE_RANGE, steps, dtype=torch.float32).view(16, 2 * intermediate)
-    gate_up = torch.cat([gate_up[:, :intermediate], gate_up[:, intermediate:].flip(0)], dim=1)  # big gate, small up and back
+    # Every gate value against every up value would be large; instead two interleaved sweeps: the
+    # range where activations differ in shape (|x| <= 8, densely) and far beyond any clamp.
+    values = torch.cat([torch.linspace(-8, 8, 1601), torch.linspace(-_GATE_PROBE_RANGE, _GATE_PROBE_RANGE, 401)])
+    rows = -(-values.numel() // intermediate)
+    reps = -(-rows * intermediate // values.numel())
+    gate_part = values.repeat(reps)[: rows * intermediate].view(rows, intermediate)
+    up_part = values.flip(0).repeat(reps)[: rows * intermediate].view(rows, intermediate)
+    gate_up = torch.cat([gate_part, up_part], dim=1).float()
     gate, up = gate_up.double().chunk(2, dim=-1)
-    candidates = [None] + ([limit] if limit is not None and limit > 0 else [])
+    limits = [None] + ([limit] if limit is not None and limit > 0 else [])
     try:
         apply_gate = getattr(module, "_apply_gate", None)
         with torch.no_grad():
             got = apply_gate(gate_up) if apply_gate is not None else act(gate_up[:, :intermediate]) * gate_up[:, intermediate:]
-        for candidate in candidates:
-            g, u = (gate, up) if candidate is None else (gate.clamp(max=candidate), up.clamp(-candidate, candidate))
-            expected = torch.nn.functional.silu(g) * u
-            if isinstance(got, Tensor) and got.shape == expected.shape and torch.allclose(
-                    got.double(), expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max())):
-                return None, candidate
+        for activation, fn in _ACTIVATIONS.items():
+            for candidate in limits:
+                g, u = (gate, up) if candidate is None else (gate.clamp(max=candidate), up.clamp(-candidate, candidate))
+                expected = fn(g) * u
+                # Per element, float32's rounding (GELU-tanh's 1 + tanh cancels: an error up to about
+                # 2^-24·|g·u|) passes; GELU's erf form against its tanh one (4.7e-4·|u| at 2) fails.
+                allowed = 1e-5 * expected.abs() + 1e-6 * (gate * up).abs() + 1e-6
+                if isinstance(got, Tensor) and got.shape == expected.shape and bool(
+                        ((got.double() - expected).abs() <= allowed).all()):
+                    return None, candidate, activation
     except Exception as e:  # noqa: BLE001 - a gating we cannot even call is not ours
-        return f"{cls}'s gating cannot be probed ({type(e).__name__}: {e}); kt.moe computes silu(gate)·up experts only", None
+        return (f"{cls}'s gating cannot be probed ({type(e).__name__}: {e}); kt.moe computes silu(gate)·up "
+                f"and gelu_tanh(gate)·up experts only"), None, "silu"
     if limit is not None:
-        return (f"{cls}'s gating with swiglu_limit={limit} is not silu(min(gate, limit))·clamp(up, -limit, limit); "
-                f"kt.moe computes that and plain SwiGLU experts only"), None
-    return f"{cls}'s activation is {act_name}; kt.moe computes SwiGLU experts (silu(gate)·up) only", None
+        return (f"{cls}'s gating with swiglu_limit={limit} is not act(min(gate, limit))·clamp(up, -limit, limit) "
+                f"(act: silu or gelu_tanh); kt.moe computes that and unclamped gated experts only"), None, "silu"
+    return (f"{cls}'s activation is {act_name}; kt.moe computes SwiGLU and GeGLU experts (silu(gate)·up, "
+            f"gelu_tanh(gate)·up) only"), None, "silu"
 
 
 def _masked(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
@@ -195,7 +213,7 @@ def kt_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tens
     cpu = torch.device("cpu")
     out = torch.ops.kt.moe(hidden_states.to(cpu, gate_up.dtype), ids.to(cpu), weights.to(cpu),
                            gate_up[:, :I].to(cpu), gate_up[:, I:].to(cpu), down.to(cpu),
-                           None, None, None, None, None, None, 1.0, None, None, None, swiglu_limit_of(self))
+                           None, None, None, None, None, None, 1.0, None, None, None, *gating_of(self).values())
     return out.to(hidden_states.device, hidden_states.dtype)
 
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from kt_ops import quantization
 from kt_ops.distributed import prepare_ddp
-from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts, swiglu_limit_of
+from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts, gating_of
 from kt_ops.layer import _BASE_NAMES, _SCALE_NAMES, KTMoE
 from kt_ops.rank_discovery import discover_rank
 
@@ -164,7 +164,7 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
                        dtype=gate_up.dtype, expert_format=expert_format, group_size=group_size,
-                       expert_replica_group=expert_replica_group, swiglu_limit=swiglu_limit_of(experts))
+                       expert_replica_group=expert_replica_group, **gating_of(experts))
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.
     lora_seed = int(torch.randint(0, 2**62, ()).item())
     if kt.is_owner:
