@@ -12,10 +12,10 @@ from graph_capture import GraphCapture
 from tiny_moe_model import make_lora_trainable
 
 
-def make_layer(train_base=False, lora_rank=4, swiglu_limit=None, activation="silu"):
+def make_layer(train_base=False, lora_rank=4, swiglu_limit=None, activation="silu", swiglu_alpha=None):
     torch.manual_seed(0)
     layer = kt_ops.KTMoE(32, 24, 6, 2, lora_rank=lora_rank, train_base=train_base, dtype=torch.float32,
-                         swiglu_limit=swiglu_limit, activation=activation)
+                         swiglu_limit=swiglu_limit, activation=activation, swiglu_alpha=swiglu_alpha)
     make_lora_trainable(layer)
     return layer
 
@@ -55,21 +55,23 @@ def test_modes_aot_eager_match_eager(train_base, lora_rank):
     assert_all_close(step(compiled, layer, x), step(layer, layer, x))
 
 
-def test_gating_arguments_reach_both_graphs():
-    """KTMoE(swiglu_limit=..., activation="gelu_tanh") compiled: both are arguments of
+@pytest.mark.parametrize("activation,alpha", [("gelu_tanh", None), ("swigluoai", 1.702)], ids=["gelu_tanh", "swigluoai"])
+def test_gating_arguments_reach_both_graphs(activation, alpha):
+    """KTMoE(swiglu_limit=..., activation=..., swiglu_alpha=...) compiled: each is an argument of
     kt.moe_forward and of kt.moe_backward in the graphs, and forward and gradients equal eager
     with the clamp cutting."""
-    layer = make_layer(train_base=True, swiglu_limit=0.5, activation="gelu_tanh")
+    gating = dict(activation=activation, swiglu_alpha=alpha)
+    layer = make_layer(train_base=True, swiglu_limit=0.5, **gating)
     capture = GraphCapture()
     compiled = torch.compile(layer, backend=capture.backend, fullgraph=True)
     x = torch.randn(9, 32) * 4
     assert_all_close(step(compiled, layer, x), step(layer, layer, x))
-    unclamped = make_layer(train_base=True, activation="gelu_tanh")
+    unclamped = make_layer(train_base=True, **gating)
     assert (layer(x) - unclamped(x)).abs().max() > 1e-3  # the clamp cut
     for graphs, op in ((capture.forward_graphs, "kt.moe_forward.default"), (capture.backward_graphs, "kt.moe_backward.default")):
         (node,) = [n for gm in graphs for n in gm.graph.nodes if str(n.target) == op]
         args = list(node.args) + list(node.kwargs.values())
-        assert 0.5 in args and "gelu_tanh" in args, node.format_node()
+        assert 0.5 in args and activation in args and (alpha is None or alpha in args), node.format_node()
     assert dict(torch._dynamo.utils.counters["graph_break"]) == {}
 
 

@@ -21,8 +21,14 @@ _GRAD_INPUTS = {
     9: 8,  # up_lora_b
     10: 9,  # down_lora_a
     11: 10,  # down_lora_b
+    20: 11,  # gate_bias
+    21: 12,  # up_bias
+    22: 13,  # down_bias
 }
-_NUM_INPUTS = 19  # moe_forward's 12 tensors, lora_scale, save_activations, 3 scales, swiglu_limit, activation
+_NUM_GRADS = 11  # kt.moe_backward's output_mask without the biases' entries (14 with them)
+_NUM_INPUTS = 23  # moe_forward's 12 tensors, lora_scale, save_activations, 3 scales, the gating, 3 biases
+_GATING = slice(17, 20)  # swiglu_limit, activation, swiglu_alpha
+_BIASES = slice(20, 23)  # gate_bias, up_bias, down_bias
 _SCALES = slice(14, 17)  # gate_scale, up_scale, down_scale (quantized base weights only)
 _BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
 
@@ -33,7 +39,7 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)  # no zero-filled gradient for the activations output
     ctx.lora_scale = inputs[12]
     ctx.saved_activations = inputs[13]
-    ctx.swiglu_limit, ctx.activation = inputs[17], inputs[18]
+    ctx.gating = inputs[_GATING]
     tensors = list(inputs[:12])
     scales = list(inputs[_SCALES])
     for name, weight, scale in zip(_BASE_NAMES, tensors[3:6], scales):
@@ -41,9 +47,11 @@ def _setup_context(ctx, inputs, output):
         if quantization.format_of(weight) is not None and (weight.requires_grad or (scale is not None and scale.requires_grad)):
             raise ValueError(f"kt.moe: {name} is quantized ({weight.dtype}), so it and its scale are frozen "
                              "and cannot require grad: train LoRA adapters on it instead")
+    biases = list(inputs[_BIASES])
     ctx.lora_present = [t is not None for t in tensors[6:12]]
     ctx.scales_present = [t is not None for t in scales]
-    ctx.save_for_backward(*[t for t in tensors + scales if t is not None], activations)
+    ctx.biases_present = [t is not None for t in biases]
+    ctx.save_for_backward(*[t for t in tensors + scales + biases if t is not None], activations)
 
 
 def _backward(ctx, grad_output, _grad_activations):
@@ -57,18 +65,22 @@ def _backward(ctx, grad_output, _grad_activations):
     present = iter(optional)
     lora_tensors = [next(present) if p else None for p in ctx.lora_present]
     scales = [next(present) if p else None for p in ctx.scales_present]
-    output_mask = [False] * 11
+    biases = [next(present) if p else None for p in ctx.biases_present]
+    output_mask = [False] * len(_GRAD_INPUTS)
     for input_index, slot in _GRAD_INPUTS.items():
-        output_mask[slot] = bool(ctx.needs_input_grad[input_index])
+        # needs_input_grad leaves out trailing None inputs (torch.library flattens the inputs as a pytree)
+        output_mask[slot] = input_index < len(ctx.needs_input_grad) and bool(ctx.needs_input_grad[input_index])
+    if not any(ctx.biases_present):
+        output_mask = output_mask[:_NUM_GRADS]  # without biases: the 11-entry mask
     if grad_output is None or not any(output_mask):
         return (None,) * _NUM_INPUTS
     grads = torch.ops.kt.moe_backward(
         grad_output.contiguous(), hidden, ids, weights, activations, gate, up, down,
-        *lora_tensors, ctx.lora_scale, output_mask, *scales, ctx.swiglu_limit, ctx.activation,
+        *lora_tensors, ctx.lora_scale, output_mask, *scales, *ctx.gating, *biases,
     )
     result = [None] * _NUM_INPUTS
     for input_index, slot in _GRAD_INPUTS.items():
-        if output_mask[slot]:
+        if slot < len(output_mask) and output_mask[slot]:
             result[input_index] = grads[slot]
     return tuple(result)
 

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 from torch import nn
 
-from kt_ops.layer import _BASE_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
 
-_OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
+_OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
 
 
 def _kt_layers(model: nn.Module):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from typing import Optional
 
 import torch
@@ -17,6 +18,7 @@ _layer_ids = itertools.count()
 _LORA_NAMES = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
 _BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
 _SCALE_NAMES = ("gate_scale", "up_scale", "down_scale")
+_BIAS_NAMES = ("gate_bias", "up_bias", "down_bias")  # with expert_bias=True (gpt-oss's experts)
 _REPLICATED_NAMES = ("grad_anchor", "expert_grad_norm")  # on every rank, owner or not (see __init__)
 
 
@@ -57,7 +59,13 @@ class KTMoE(nn.Module):
     ``swiglu_limit`` (None, or a number > 0): the experts clamp gate at ``min(g, L)`` and up at
     ``clamp(u, -L, L)`` before ``silu(g)·u``, as transformers' clamped SwiGLU families
     (DeepSeek-V4, GLM-5, HY-V4) do. ``activation="gelu_tanh"``: GeGLU experts (GELU's tanh
-    approximation in place of SiLU, as Gemma 4's).
+    approximation in place of SiLU, as Gemma 4's). ``activation="swigluoai"`` with
+    ``swiglu_alpha=α``: gpt-oss's SwiGLU ``g·σ(α·g)·(u + 1)`` (MiniMax-M3's too; gpt-oss clamps
+    at ``swiglu_limit=7`` with ``α = 1.702``).
+
+    ``expert_bias=True``: per-expert biases ``gate_bias``/``up_bias`` ``[E, I]`` and
+    ``down_bias [E, H]`` (gpt-oss's experts), in ``dtype``, initialised to zero and, like the
+    base weights, trained only with ``train_base=True``.
 
     Gradient semantics: the owner's expert (and LoRA) gradients are the *average* over ranks
     of each rank's loss gradient, exactly what DDP would give if every rank held the experts,
@@ -81,7 +89,8 @@ class KTMoE(nn.Module):
                  process_group: Optional[dist.ProcessGroup] = None, dtype: torch.dtype = torch.bfloat16,
                  router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
                  group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None,
-                 swiglu_limit: Optional[float] = None, activation: str = "silu"):
+                 swiglu_limit: Optional[float] = None, activation: str = "silu",
+                 swiglu_alpha: Optional[float] = None, expert_bias: bool = False):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -104,9 +113,17 @@ class KTMoE(nn.Module):
         if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
             raise ValueError(f"KTMoE: swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)
-        if activation not in ("silu", "gelu_tanh"):
-            raise ValueError(f"KTMoE: activation must be 'silu' or 'gelu_tanh', got {activation!r}")
+        if activation not in ("silu", "gelu_tanh", "swigluoai"):
+            raise ValueError(f"KTMoE: activation must be 'silu', 'gelu_tanh' or 'swigluoai', got {activation!r}")
         self.activation = activation
+        if activation == "swigluoai" and not (isinstance(swiglu_alpha, (int, float)) and 0 < swiglu_alpha < math.inf):
+            raise ValueError(f"KTMoE: activation='swigluoai' needs swiglu_alpha, a finite number > 0 "
+                             f"(gpt-oss: 1.702), got {swiglu_alpha!r}")
+        if activation != "swigluoai" and swiglu_alpha is not None:
+            raise ValueError(f"KTMoE: swiglu_alpha is the alpha of activation='swigluoai'; it must be None with "
+                             f"activation={activation!r}, got {swiglu_alpha!r}")
+        self.swiglu_alpha = None if swiglu_alpha is None else float(swiglu_alpha)
+        self.expert_bias = bool(expert_bias)
         self.expert_dtype = dtype  # of activations, LoRA and (unless quantized) the base weights
         self.hidden_size, self.intermediate_size = hidden_size, intermediate_size
         self.num_experts, self.top_k = num_experts, top_k
@@ -140,6 +157,9 @@ class KTMoE(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(shape, **{**cpu, "dtype": qdtype}), requires_grad=False))
                 setattr(self, scale_name,
                         nn.Parameter(torch.empty(scale_shape, **{**cpu, "dtype": scale_dtype}), requires_grad=False))
+            if expert_bias:
+                for name, shape in zip(_BIAS_NAMES, ((E, I), (E, I), (E, H))):
+                    setattr(self, name, nn.Parameter(torch.empty(shape, **cpu), requires_grad=train_base))
             if lora_rank:
                 r = lora_rank
                 for name, shape in (("gate_lora_a", (E, r, H)), ("gate_lora_b", (E, I, r)),
@@ -168,7 +188,7 @@ class KTMoE(nn.Module):
 
     def _unique_expert_tensors(self) -> list:
         """The owner's expert tensors, each once (gate_lora_a and up_lora_a may be one tensor)."""
-        return list({id(p): p for p in self.expert_tensors() if p is not None}.values())
+        return list({id(p): p for p in self.expert_tensors() + self.expert_biases() if p is not None}.values())
 
     @property
     def is_owner(self) -> bool:
@@ -196,6 +216,8 @@ class KTMoE(nn.Module):
                     getattr(self, name).copy_(w)
                 else:
                     self.set_quantized_weight(name, w)
+            for name in _BIAS_NAMES if self.expert_bias else ():
+                nn.init.zeros_(getattr(self, name))
             if self.lora_rank:
                 for name in ("gate_lora_a", "up_lora_a", "down_lora_a"):
                     a = getattr(self, name)  # PEFT's init: kaiming_uniform(a=sqrt(5)) = U(±1/sqrt(in))
@@ -208,6 +230,10 @@ class KTMoE(nn.Module):
         """The owner's (gate_proj, up_proj, down_proj, *6 LoRA tensors or None)."""
         lora = tuple(getattr(self, n) for n in _LORA_NAMES) if self.lora_rank else (None,) * 6
         return (self.gate_proj, self.up_proj, self.down_proj) + lora
+
+    def expert_biases(self) -> tuple:
+        """The owner's (gate_bias, up_bias, down_bias) with ``expert_bias=True``, or three Nones."""
+        return tuple(getattr(self, n) for n in _BIAS_NAMES) if self.expert_bias else (None,) * 3
 
     def register_gradient_hooks(self) -> None:
         """The gradient hooks of a multi-rank layer (idempotent; call again after replacing its
@@ -274,10 +300,12 @@ class KTMoE(nn.Module):
             scale.copy_(s)
 
     def expert_nbytes(self) -> int:
-        """Bytes held by the base expert weights on this rank, scales included (0 off the owner)."""
+        """Bytes held by the base expert weights on this rank, scales (and biases) included (0
+        off the owner)."""
         if not self.is_owner:
             return 0
-        return quantization.nbytes(self.gate_proj, self.up_proj, self.down_proj, *self.expert_scales())
+        biases = sum(b.numel() * b.element_size() for b in self.expert_biases() if b is not None)
+        return quantization.nbytes(self.gate_proj, self.up_proj, self.down_proj, *self.expert_scales()) + biases
 
     def dequantized_experts(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(gate [E, I, H], up [E, I, H], down [E, H, I])`` in float32: the weights kt.moe
@@ -323,7 +351,7 @@ class KTMoE(nn.Module):
         device, dtype = self.gate_proj.device, self.expert_dtype
         out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
                                *self.expert_tensors(), self.lora_scale, *self.expert_scales(), self.swiglu_limit,
-                               self.activation)
+                               self.activation, self.swiglu_alpha, *self.expert_biases())
         return out.to(x.device, x.dtype)
 
     def _group_name(self) -> str:

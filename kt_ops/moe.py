@@ -24,15 +24,20 @@ def moe(
     down_scale: Optional[Tensor] = None,
     swiglu_limit: Optional[float] = None,
     activation: str = "silu",
+    swiglu_alpha: Optional[float] = None,
+    gate_bias: Optional[Tensor] = None,
+    up_bias: Optional[Tensor] = None,
+    down_bias: Optional[Tensor] = None,
 ) -> Tensor:
     """Routed SwiGLU experts with optional LoRA; same call as ``torch.ops.kt.moe``.
 
     For each token ``t`` and slot ``j`` with expert ``e = topk_ids[t, j]``::
 
-        g = x·gate_proj[e]ᵀ + s·(x·gate_lora_a[e]ᵀ)·gate_lora_b[e]ᵀ
-        u = x·up_proj[e]ᵀ   + s·(x·up_lora_a[e]ᵀ)·up_lora_b[e]ᵀ
+        g = x·gate_proj[e]ᵀ + s·(x·gate_lora_a[e]ᵀ)·gate_lora_b[e]ᵀ (+ gate_bias[e])
+        u = x·up_proj[e]ᵀ   + s·(x·up_lora_a[e]ᵀ)·up_lora_b[e]ᵀ     (+ up_bias[e])
         h = silu(g) * u            (g <- min(g, L), u <- clamp(u, -L, L) first, given swiglu_limit=L)
-        o = h·down_proj[e]ᵀ + s·(h·down_lora_a[e]ᵀ)·down_lora_b[e]ᵀ
+                                   (g·σ(α·g)·(u + 1) with activation="swigluoai", swiglu_alpha=α)
+        o = h·down_proj[e]ᵀ + s·(h·down_lora_a[e]ᵀ)·down_lora_b[e]ᵀ  (+ down_bias[e])
         y[t] = Σ_j topk_weights[t, j] · o
 
     with ``s = lora_scale`` (PEFT's ``alpha / r``).
@@ -54,9 +59,14 @@ def moe(
         swiglu_limit: None, or ``L > 0``: gate and up are clamped first, as transformers'
             clamped SwiGLU (``swiglu_limit`` of DeepSeek-V4, GLM-5, HY-V4) computes them;
             their gradients are zero where the clamp cut (torch.clamp's).
-        activation: the gate's activation: ``"silu"`` (SwiGLU) or ``"gelu_tanh"`` (GeGLU with
+        activation: the gate's activation: ``"silu"`` (SwiGLU), ``"gelu_tanh"`` (GeGLU with
             GELU's tanh approximation, transformers' ``gelu_pytorch_tanh``: Gemma 4), in place
-            of silu in ``h`` above.
+            of silu in ``h`` above, or ``"swigluoai"`` (gpt-oss's SwiGLU, vLLM's name; also
+            MiniMax-M3): ``h = g·σ(α·g)·(u + 1)``, after the clamp when there is one.
+        swiglu_alpha: swigluoai's ``α`` (a finite number > 0; gpt-oss: 1.702); None with
+            the other activations.
+        gate_bias, up_bias: ``[E, I]``; down_bias: ``[E, H]``: per-expert biases (gpt-oss's
+            experts have them), in the dtype of hidden_states; each optional.
 
     Returns:
         ``[..., H]`` in the dtype of ``hidden_states``.
@@ -70,4 +80,5 @@ def moe(
         gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
         float(lora_scale), gate_scale, up_scale, down_scale,
         None if swiglu_limit is None else float(swiglu_limit), activation,
+        None if swiglu_alpha is None else float(swiglu_alpha), gate_bias, up_bias, down_bias,
     )

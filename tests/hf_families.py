@@ -219,6 +219,10 @@ def tiny_model(family: Family, *, dtype=torch.float32, seed: int = 0):
         for module in model.modules():  # routing biases that start at zero: make them matter
             if hasattr(module, "e_score_correction_bias") and isinstance(module.e_score_correction_bias, torch.Tensor):
                 module.e_score_correction_bias.uniform_(-0.1, 0.1)
+            for name in ("gate_up_proj_bias", "down_proj_bias"):  # experts' biases start at zero too (gpt-oss)
+                bias = getattr(module, name, None)
+                if isinstance(bias, torch.Tensor):
+                    bias.normal_(0.0, 0.5)
     return model.to(dtype).eval()
 
 

@@ -133,8 +133,10 @@ def positional(kwargs: Dict[str, object]) -> tuple:
 
 
 def grad_inputs(kwargs: Dict[str, object]) -> List[str]:
-    """Names of the tensor arguments that require grad."""
-    return [n for n in ARG_NAMES if isinstance(kwargs.get(n), torch.Tensor) and kwargs[n].requires_grad]
+    """Names of the tensor arguments that require grad: ARG_NAMES' in their order, then any
+    other (the biases) in kwargs' order."""
+    names = ARG_NAMES + tuple(k for k in kwargs if k not in ARG_NAMES)
+    return [n for n in names if isinstance(kwargs.get(n), torch.Tensor) and kwargs[n].requires_grad]
 
 
 @dataclass(frozen=True)

@@ -158,13 +158,19 @@ def clamped_swiglu_reference(g, u, dh, w, limit):
     return ref
 
 
-def gated_reference(g, u, dh, w, limit, activation):
-    """Forward and backward of act(g)·u (act SiLU or GELU-tanh; clamped when limit is not None)
-    by float64 autograd: torch's own formulas and clamp gradients."""
-    act = {"silu": torch.nn.functional.silu, "gelu_tanh": lambda v: torch.nn.functional.gelu(v, approximate="tanh")}
+GPT_OSS_ALPHA = 1.702
+
+
+def gated_reference(g, u, dh, w, limit, activation, alpha=None):
+    """Forward and backward of act(g)·u (act SiLU or GELU-tanh), or of swigluoai's
+    g·σ(α·g)·(u + 1), clamped when limit is not None, by float64 autograd: torch's own formulas
+    and clamp gradients."""
+    forms = {"silu": lambda g, u: torch.nn.functional.silu(g) * u,
+             "gelu_tanh": lambda g, u: torch.nn.functional.gelu(g, approximate="tanh") * u,
+             "swigluoai": lambda g, u: g * torch.sigmoid(alpha * g) * (u + 1)}
     g, u = (t.double().requires_grad_() for t in (g, u))
     gc, uc = (g.clamp(max=limit), u.clamp(-limit, limit)) if limit is not None else (g, u)
-    h = act[activation](gc) * uc
+    h = forms[activation](gc, uc)
     w64 = w.double()[:, None]
     dg, du = torch.autograd.grad(h, [g, u], w64 * dh.double())
     h = h.detach()
@@ -175,17 +181,20 @@ def gated_reference(g, u, dh, w, limit, activation):
 @pytest.mark.parametrize("dtype", [f32, bf16, f64], ids=["fp32", "bf16", "fp64"])
 @pytest.mark.parametrize("limit", [None, 2.5], ids=["unclamped", "clamped"])
 @pytest.mark.parametrize("n,pad,I", [(1, 0, 1), (5, 3, 15), (7, 1, 33), (3, 13, 768)])
-def test_geglu_matches_float64(isa, dtype, limit, n, pad, I):
-    """activation="gelu_tanh" (GELU's tanh approximation, Gemma 4's experts) on every path,
-    against float64 autograd, clamped or not, in the SIMD steps and the tails."""
+@pytest.mark.parametrize("activation", ["gelu_tanh", "swigluoai"])
+def test_gated_activation_matches_float64(isa, dtype, limit, n, pad, I, activation):
+    """activation="gelu_tanh" (GELU's tanh approximation, Gemma 4's experts) and "swigluoai"
+    (gpt-oss's g·σ(α·g)·(u + 1)) on every path, against float64 autograd, clamped or not, in
+    the SIMD steps and the tails."""
+    alpha = GPT_OSS_ALPHA if activation == "swigluoai" else None
     seed = n * 100 + I + 11
     g = rand(n, I, dtype=dtype, seed=seed, scale=3.0)
     u = rand(n, I, dtype=dtype, seed=seed + 1, scale=3.0)
     dh = torch.cat([rand(n, I, dtype=dtype, seed=seed + 2), torch.full((pad, I), 7.0, dtype=dtype)])
     w = torch.rand(n + pad, generator=torch.Generator().manual_seed(seed), dtype=f64).to(f64 if dtype == f64 else f32)
-    ref = gated_reference(g, u, dh[:n], w[:n], limit, "gelu_tanh")
-    assert_close_to(torch.ops.kt._swiglu_forward(g, u, isa, limit, "gelu_tanh"), ref["h"], dtype, "h")
-    dg, du, hw, dw = torch.ops.kt._swiglu_backward(g, u, dh, w, True, True, isa, limit, "gelu_tanh")
+    ref = gated_reference(g, u, dh[:n], w[:n], limit, activation, alpha)
+    assert_close_to(torch.ops.kt._swiglu_forward(g, u, isa, limit, activation, alpha), ref["h"], dtype, "h")
+    dg, du, hw, dw = torch.ops.kt._swiglu_backward(g, u, dh, w, True, True, isa, limit, activation, alpha)
     for name, t in (("dg", dg), ("du", du), ("hw", hw)):
         assert_close_to(t[:n], ref[name], dtype, name)
         assert (t[n:] == 0).all(), f"{name}: padding rows must be zero"
@@ -194,7 +203,7 @@ def test_geglu_matches_float64(isa, dtype, limit, n, pad, I):
 
 def test_unknown_activation_refused_by_the_kernel_ops():
     g = torch.randn(2, 8)
-    with pytest.raises(ValueError, match="activation must be 'silu' \\(SwiGLU\\) or 'gelu_tanh'"):
+    with pytest.raises(ValueError, match="activation must be 'silu' \\(SwiGLU\\), 'gelu_tanh'"):
         torch.ops.kt._swiglu_forward(g, g, "portable", None, "gelu")
 
 

@@ -22,6 +22,7 @@ peft = pytest.importorskip("peft")
 import kt_ops  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from hf_families import classify, discover, input_ids, run, tiny_model  # noqa: E402
+from kt_ops.hf.expert_layout import ExpertsLayout  # noqa: E402
 from kt_ops.hf.experts import gating_of, is_experts_module, kt_experts_forward  # noqa: E402
 from test_hf_adapters import R, peft_lora_grads_as_kt, peft_model  # noqa: E402
 from test_hf_patching import rel_err  # noqa: E402
@@ -40,13 +41,13 @@ def assert_experts_match_at_large_activations(model, scale: float = 40.0):
     swiglu_limit) would pass the logits check unseen."""
     g = torch.Generator().manual_seed(1)
     for module in (m for m in model.modules() if is_experts_module(m)):
-        E, _, H = module.gate_up_proj.shape
+        E, _, H = ExpertsLayout.of(module).sizes(module.gate_up_proj)
         x = torch.randn(24, H, generator=g) * scale
         K = min(2, E)
         ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(24)])
         w = torch.rand(24, K, generator=g)
         with torch.no_grad():
-            pre = x @ module.gate_up_proj[0].T
+            pre = x @ ExpertsLayout.of(module).weights(module)["gate_proj"][0].T
             assert pre.abs().max() > 20, "the probe must reach beyond the families' clamps (7-10)"
             assert rel_err(kt_experts_forward(module, x, ids, w), module(x, ids, w)) <= 1e-5, type(module).__name__
 
@@ -165,7 +166,7 @@ def test_clamped_gating_runs_with_its_limit():
     runs it with the limit it matched (the family's test_family checks the numbers)."""
     model, experts = _deepseek_v4_experts()
     assert type(experts.act_fn).__name__ in ("SiLU", "SiLUActivation") and experts.limit == 10.0
-    assert gating_of(experts) == {"swiglu_limit": 10.0, "activation": "silu"}
+    assert gating_of(experts) == {"swiglu_limit": 10.0, "activation": "silu", "swiglu_alpha": None}
     patched = kt_ops.patch_model(model)
     assert {m.swiglu_limit for m in patched.modules() if isinstance(m, kt_ops.KTMoE)} == {10.0}
 
@@ -182,8 +183,9 @@ def test_other_clamped_gating_is_refused():
 
     experts.__class__ = OtherClamp
     before = [type(m) for m in model.modules()]
-    with pytest.raises(ValueError, match=r"OtherClamp's gating with swiglu_limit=10.0 is not "
-                                         r"act\(min\(gate, limit\)\)·clamp\(up, -limit, limit\)"):
+    with pytest.raises(ValueError, match=r"OtherClamp's gating with swiglu_limit=10.0 is not act\(gate\)·up .*, "
+                                         r"clamped at the limit \(gate <- min\(gate, limit\), up <- clamp\(up, -limit, "
+                                         r"limit\)\) or not"):
         kt_ops.patch_model(model)
     assert [type(m) for m in model.modules()] == before
     x, ids, w = torch.randn(3, experts.gate_up_proj.shape[2]), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
@@ -200,12 +202,79 @@ def test_geglu_experts_run_as_gelu_tanh():
         pytest.skip("no gemma4 in this transformers")
     model = tiny_model(family)
     experts = next(m for m in model.modules() if is_experts_module(m))
-    assert gating_of(experts) == {"swiglu_limit": None, "activation": "gelu_tanh"}
+    assert gating_of(experts) == {"swiglu_limit": None, "activation": "gelu_tanh", "swiglu_alpha": None}
 
     class ErfGelu(type(experts)):
         pass
 
     experts.__class__ = ErfGelu
     experts.act_fn = torch.nn.GELU()
-    with pytest.raises(ValueError, match=r"ErfGelu's activation is GELU; kt.moe computes SwiGLU and GeGLU experts"):
+    with pytest.raises(ValueError, match=r"ErfGelu's gating \(activation GELU\) is not act\(gate\)·up \(act: silu or "
+                                         r"gelu_tanh\); kt.moe computes SwiGLU, GeGLU and gpt-oss's gated experts only"):
         kt_ops.patch_model(model)
+
+
+def _minimax_m3_experts():
+    family = next((f for f in FAMILIES if f.name == "minimax_m3_vl"), None)
+    if family is None:
+        pytest.skip("no minimax_m3_vl in this transformers")
+    model = tiny_model(family)
+    return model, next(m for m in model.modules() if is_experts_module(m))
+
+
+def test_gpt_oss_gating_runs_as_swigluoai():
+    """MiniMax-M3's experts compute gpt-oss's gating, gate·σ(alpha·gate)·(up + 1) after the clamp,
+    in an _apply_gate of their own: kt.moe runs them with activation="swigluoai" and the module's
+    alpha and limit (test_family checks the numbers, at pre-activations past the limit too)."""
+    model, experts = _minimax_m3_experts()
+    alpha, limit = experts.swiglu_alpha, experts.swiglu_limit
+    assert gating_of(experts) == {"swiglu_limit": limit, "activation": "swigluoai", "swiglu_alpha": alpha}
+    patched = kt_ops.patch_model(model)
+    layers = [m for m in patched.modules() if isinstance(m, kt_ops.KTMoE)]
+    assert layers and {(m.activation, m.swiglu_alpha, m.swiglu_limit) for m in layers} == {("swigluoai", alpha, limit)}
+
+
+def test_gpt_oss_gating_with_another_alpha_than_it_names_is_refused():
+    """The alpha kt runs is the one the gating computes with: a module whose gating uses another
+    alpha than the one it names is refused, by patch_model and the "kt" function."""
+    model, experts = _minimax_m3_experts()
+
+    class OtherAlpha(type(experts)):
+        def _apply_gate(self, gate_up):
+            gate, up = gate_up.chunk(2, dim=-1)
+            gate, up = gate.clamp(max=self.swiglu_limit), up.clamp(-self.swiglu_limit, self.swiglu_limit)
+            return gate * torch.sigmoid(gate * (self.swiglu_alpha + 0.01)) * (up + 1)
+
+    experts.__class__ = OtherAlpha
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=rf"OtherAlpha's gating with swiglu_limit={experts.swiglu_limit} is not .* or "
+                                         rf"gate·σ\({experts.swiglu_alpha}·gate\)·\(up \+ 1\) \(gpt-oss's\)"):
+        kt_ops.patch_model(model)
+    assert [type(m) for m in model.modules()] == before
+    x, ids, w = torch.randn(3, experts.gate_up_proj.shape[2]), torch.zeros(3, 1, dtype=torch.long), torch.ones(3, 1)
+    with pytest.raises(ValueError, match=r'experts_implementation="kt": OtherAlpha'):
+        kt_experts_forward(experts, x, ids, w)
+
+
+def test_gpt_oss_experts_convert_from_their_layout():
+    """gpt-oss's experts hold gate_up_proj [E, H, 2I] (transposed) with gate and up interleaved
+    (even and odd outputs), down_proj [E, I, H] and biases: patch_model gives kt.moe
+    gate = gate_up_projᵀ[:, 0::2], up = [:, 1::2], down = down_projᵀ, the biases split the same
+    way, and gpt-oss's gating (swigluoai, alpha 1.702, clamped at 7); test_family checks the
+    numbers, biases made nonzero."""
+    family = next((f for f in FAMILIES if f.name == "gpt_oss"), None)
+    if family is None:
+        pytest.skip("no gpt_oss in this transformers")
+    model = tiny_model(family)
+    experts = next(m for m in model.modules() if is_experts_module(m))
+    gate_up, down = experts.gate_up_proj.detach().clone(), experts.down_proj.detach().clone()
+    gate_up_bias, down_bias = experts.gate_up_proj_bias.detach().clone(), experts.down_proj_bias.detach().clone()
+    assert gate_up_bias.abs().sum() > 0 and down_bias.abs().sum() > 0
+    patched = kt_ops.patch_model(model, lora_rank=2)
+    kt = next(b.experts for _, b in patched_blocks(patched))
+    assert torch.equal(kt.gate_proj, gate_up.transpose(1, 2)[:, 0::2]) and torch.equal(kt.up_proj, gate_up.transpose(1, 2)[:, 1::2])
+    assert torch.equal(kt.down_proj, down.transpose(1, 2))
+    assert torch.equal(kt.gate_bias, gate_up_bias[:, 0::2]) and torch.equal(kt.up_bias, gate_up_bias[:, 1::2])
+    assert torch.equal(kt.down_bias, down_bias)
+    assert not any(b.requires_grad for b in kt.expert_biases())  # frozen with the base in LoRA training
+    assert (kt.activation, kt.swiglu_alpha, kt.swiglu_limit, kt.gate_up_interleaved) == ("swigluoai", 1.702, 7.0, True)

@@ -281,8 +281,8 @@ def test_errors():
     gelu = tiny_config("qwen3_moe")
     gelu.hidden_act = "gelu"
     model = transformers.Qwen3MoeForCausalLM(gelu)
-    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: Qwen3MoeExperts's activation is "
-                                         r"GELUActivation.*SwiGLU"):
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts: Qwen3MoeExperts's gating \(activation "
+                                         r"GELUActivation\) is not act\(gate\)·up.*SwiGLU"):
         kt_ops.patch_model(model)
     assert type(model.model.layers[0].mlp.experts).__name__ == "Qwen3MoeExperts"  # nothing changed
     with pytest.raises(ValueError, match="expert weights are torch.float16"):

@@ -208,23 +208,23 @@ at::Tensor thin_gemm_op(const at::Tensor& x, const at::Tensor& w, at::ScalarType
 }
 
 at::Tensor swiglu_forward_op(const at::Tensor& g, const at::Tensor& u, const std::string& isa,
-                             std::optional<double> limit, const std::string& activation) {
+                             std::optional<double> limit, const std::string& activation, std::optional<double> alpha) {
   at::Tensor h = at::empty_like(g);
-  swiglu_forward(g, u, h, parse_cpu_isa(isa, "isa"), checked_swiglu_limit(limit), parse_gated_activation(activation));
+  swiglu_forward(g, u, h, parse_cpu_isa(isa, "isa"), checked_gating(limit, activation, alpha));
   return h;
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_op(
     const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w, bool need_hw,
-    bool need_dw, const std::string& isa, std::optional<double> limit, const std::string& activation) {
+    bool need_dw, const std::string& isa, std::optional<double> limit, const std::string& activation,
+    std::optional<double> alpha) {
   const int64_t p = dh.size(0), I = dh.size(1);
   SwigluBackwardOut out;
   out.dg = at::empty({p, I}, dh.options());
   out.du = at::empty({p, I}, dh.options());
   out.hw = need_hw ? at::empty({p, I}, dh.options()) : at::Tensor();
   out.dw = need_dw ? at::empty({g.size(0)}, w.options()) : at::Tensor();
-  swiglu_backward(g, u, dh, w, out, parse_cpu_isa(isa, "isa"), checked_swiglu_limit(limit),
-                  parse_gated_activation(activation));
+  swiglu_backward(g, u, dh, w, out, parse_cpu_isa(isa, "isa"), checked_gating(limit, activation, alpha));
   auto none = [&] { return at::empty({0}, dh.options()); };
   return {out.dg, out.du, need_hw ? out.hw : none(), need_dw ? out.dw : none()};
 }

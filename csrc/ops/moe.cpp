@@ -17,7 +17,9 @@ at::Tensor moe_composite(
     const std::optional<at::Tensor>& up_lora_a, const std::optional<at::Tensor>& up_lora_b,
     const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
     double lora_scale, const std::optional<at::Tensor>& gate_scale, const std::optional<at::Tensor>& up_scale,
-    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation) {
+    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation,
+    std::optional<double> swiglu_alpha, const std::optional<at::Tensor>& gate_bias,
+    const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias) {
   static auto forward = c10::Dispatcher::singleton()
                             .findSchemaOrThrow("kt::moe_forward", "")
                             .typed<std::tuple<at::Tensor, at::Tensor>(
@@ -27,16 +29,20 @@ at::Tensor moe_composite(
                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
                                 const std::optional<at::Tensor>&, double, bool, const std::optional<at::Tensor>&,
                                 const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
-                                std::optional<double>, c10::string_view)>();
+                                std::optional<double>, c10::string_view, std::optional<double>,
+                                const std::optional<at::Tensor>&, const std::optional<at::Tensor>&,
+                                const std::optional<at::Tensor>&)>();
   // Inference (no grad mode, or nothing requires grad) saves nothing.
   const bool save = at::GradMode::is_enabled() &&
                     (hidden_states.requires_grad() || topk_weights.requires_grad() || gate_proj.requires_grad() ||
                      up_proj.requires_grad() || down_proj.requires_grad() || requires_grad(gate_lora_a) ||
                      requires_grad(gate_lora_b) || requires_grad(up_lora_a) || requires_grad(up_lora_b) ||
-                     requires_grad(down_lora_a) || requires_grad(down_lora_b));
+                     requires_grad(down_lora_a) || requires_grad(down_lora_b) || requires_grad(gate_bias) ||
+                     requires_grad(up_bias) || requires_grad(down_bias));
   return std::get<0>(forward.call(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, down_proj,
                                   gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b,
-                                  lora_scale, save, gate_scale, up_scale, down_scale, swiglu_limit, activation));
+                                  lora_scale, save, gate_scale, up_scale, down_scale, swiglu_limit, activation,
+                                  swiglu_alpha, gate_bias, up_bias, down_bias));
 }
 
 }  // namespace

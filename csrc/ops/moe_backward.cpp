@@ -8,6 +8,8 @@
 //   dg   = dh ⊙ u ⊙ σ(g)(1 + g(1 − σ(g))),  du = dh ⊙ silu(g)
 //   dx   = dg·Wg + du·Wu + LoRA terms     (summed over the token's slots afterwards)
 //   dWg = dgᵀ·x, dWu = duᵀ·x, dWd = (w·dy)ᵀ·h;  LoRA: dB = s·d_outᵀ·(in·Aᵀ), dA = s·(d_out·B)ᵀ·in
+// With biases (g and u saved with theirs): dbg = Σ dg, dbu = Σ du, dbd = Σ w·dy over the
+// expert's rows, and dw gains ⟨dy, bd⟩ (o = h·Wdᵀ + LoRA + bd).
 // Each expert is one unit of work (its weight gradients are sums over its rows), so no two
 // threads write the same gradient. Unrequested gradients are neither computed nor allocated.
 #include <torch/library.h>
@@ -23,10 +25,17 @@
 namespace kt {
 namespace {
 
-// Positions in output_mask and in the returned tuple.
+// Positions in output_mask and in the returned tuple (moe_checks.h: the biases' are optional).
 enum Grad : int {
-  kHidden, kWeights, kGate, kUp, kDown, kGateA, kGateB, kUpA, kUpB, kDownA, kDownB, kNumGrads
+  kHidden, kWeights, kGate, kUp, kDown, kGateA, kGateB, kUpA, kUpB, kDownA, kDownB,
+  kGateBias, kUpBias, kDownBias
 };
+static_assert(kGateBias == kNumGrads && kDownBias + 1 == kNumGradsWithBiases);
+
+// Σ over the first n rows of rows [>= n, C], in the accumulation dtype, into grad [C].
+void sum_rows_into(const at::Tensor& rows, int64_t n, at::Tensor grad) {
+  grad.copy_(rows.narrow(0, 0, n).sum(0, /*keepdim=*/false, accumulate_type(rows.scalar_type())));
+}
 
 // Gradients of one LoRA-adapted projection out = in·W[e]ᵀ + s·(in·A[e]ᵀ)·B[e]ᵀ of expert e,
 // in two halves: the input's gradient first (the SwiGLU backward needs it before the down
@@ -100,29 +109,32 @@ std::vector<at::Tensor> moe_backward_cpu(
     const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
     const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list,
     const std::optional<at::Tensor>& gate_scale, const std::optional<at::Tensor>& up_scale,
-    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation) {
+    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation,
+    std::optional<double> swiglu_alpha, const std::optional<at::Tensor>& gate_bias,
+    const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
   const BaseScales scales{gate_scale, up_scale, down_scale};
-  const double limit = checked_swiglu_limit(swiglu_limit);
-  const GatedActivation gate_act = parse_gated_activation(std::string(activation));
+  const ExpertBiases biases{gate_bias, up_bias, down_bias};
+  const Gating gating = checked_gating(swiglu_limit, activation, swiglu_alpha);
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales);
-  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, output_mask_list);
-  const std::array<bool, 11> output_mask = output_mask_array(output_mask_list);
+                                          down_proj, lora, lora_scale, scales, biases);
+  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, biases, output_mask_list);
+  const auto output_mask = output_mask_array(output_mask_list);
+  const int num_grads = static_cast<int>(output_mask_list.size());
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales);
+                                          down_proj, lora, lora_scale, scales, biases);
   const at::Tensor dy_all = grad_output.detach().reshape(in.x.sizes()).contiguous();
   const at::Tensor act = activations.detach().contiguous();
   const auto acc = accumulate_type(in.x.scalar_type());
   const double s = in.scale;
 
   auto need = [&](Grad g) { return output_mask[g]; };
-  const bool need_gate_side = need(kGate) || need(kGateA) || need(kGateB);
-  const bool need_up_side = need(kUp) || need(kUpA) || need(kUpB);
+  const bool need_gate_side = need(kGate) || need(kGateA) || need(kGateB) || need(kGateBias);
+  const bool need_up_side = need(kUp) || need(kUpA) || need(kUpB) || need(kUpBias);
   const bool need_dgu = need(kHidden) || need_gate_side || need_up_side;
   const bool need_scaled_dy = need(kDown) || need(kDownA) || need(kDownB);
-  const bool need_x = need_gate_side || need_up_side;
+  const bool need_x = need(kGate) || need(kGateA) || need(kGateB) || need(kUp) || need(kUpA) || need(kUpB);
 
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
   const int64_t N = routing.num_pairs();
@@ -131,15 +143,18 @@ std::vector<at::Tensor> moe_backward_cpu(
 
   // Gradients of the expert weights (empty_large: recycled across calls, see large_alloc.h).
   // Every expert with rows overwrites its slice; the others' are zeroed after the loop.
-  std::array<at::Tensor, kNumGrads> grads;
-  const at::Tensor* weight_of[kNumGrads] = {nullptr, nullptr, &in.gate.data, &in.up.data, &in.down.data,
-                                           lora.has_gate() ? &*in.lora.gate_a : nullptr,
-                                           lora.has_gate() ? &*in.lora.gate_b : nullptr,
-                                           lora.has_up() ? &*in.lora.up_a : nullptr,
-                                           lora.has_up() ? &*in.lora.up_b : nullptr,
-                                           lora.has_down() ? &*in.lora.down_a : nullptr,
-                                           lora.has_down() ? &*in.lora.down_b : nullptr};
-  for (int g = kGate; g < kNumGrads; ++g) {
+  std::array<at::Tensor, kNumGradsWithBiases> grads;
+  const at::Tensor* weight_of[kNumGradsWithBiases] = {nullptr, nullptr, &in.gate.data, &in.up.data, &in.down.data,
+                                                     lora.has_gate() ? &*in.lora.gate_a : nullptr,
+                                                     lora.has_gate() ? &*in.lora.gate_b : nullptr,
+                                                     lora.has_up() ? &*in.lora.up_a : nullptr,
+                                                     lora.has_up() ? &*in.lora.up_b : nullptr,
+                                                     lora.has_down() ? &*in.lora.down_a : nullptr,
+                                                     lora.has_down() ? &*in.lora.down_b : nullptr,
+                                                     in.biases.gate ? &*in.biases.gate : nullptr,
+                                                     in.biases.up ? &*in.biases.up : nullptr,
+                                                     in.biases.down ? &*in.biases.down : nullptr};
+  for (int g = kGate; g < kNumGradsWithBiases; ++g) {
     grads[g] = need(Grad(g)) ? empty_large(weight_of[g]->sizes(), weight_of[g]->options()) : empty_grad(in.x);
   }
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
@@ -173,9 +188,16 @@ std::vector<at::Tensor> moe_backward_cpu(
     sw.du = dgu.narrow(1, I, I);
     if (need_scaled_dy) sw.hw = at::empty({padded, I}, in.x.options());
     if (need(kWeights)) sw.dw = dw_rows.narrow(0, blk.begin, n);
-    swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw, limit, gate_act);
+    swiglu_backward(act[0].narrow(0, blk.begin, n), act[1].narrow(0, blk.begin, n), dh_unweighted, w, sw, gating);
+    if (in.biases.down && (need(kWeights) || need(kDownBias))) {
+      const at::Tensor dy_acc = dy.narrow(0, 0, n).to(acc);
+      if (need(kWeights)) sw.dw.add_(at::mv(dy_acc, (*in.biases.down)[e].to(acc)));  // ⟨dy, bd⟩
+      if (need(kDownBias)) grads[kDownBias][e].copy_(at::mv(dy_acc.t(), w.narrow(0, 0, n).to(acc)));  // Σ w·dy
+    }
     weight_backward(dy, sw.hw, n, q_down, in.lora.down_a, s, e,
                     {need(kDown), need(kDownA), need(kDownB), grads[kDown], grads[kDownA], grads[kDownB]});
+    if (need(kGateBias)) sum_rows_into(sw.dg, n, grads[kGateBias][e]);
+    if (need(kUpBias)) sum_rows_into(sw.du, n, grads[kUpBias][e]);
     if (!need_dgu) return;
 
     const at::Tensor x = need_x ? gather_rows_padded(in.x, tokens, padded) : at::Tensor();
@@ -199,7 +221,7 @@ std::vector<at::Tensor> moe_backward_cpu(
 
   for (int64_t e = 0; e < routing.num_experts; ++e) {
     if (routing.rows(e) != 0) continue;
-    for (int g = kGate; g < kNumGrads; ++g) {
+    for (int g = kGate; g < kNumGradsWithBiases; ++g) {
       if (need(Grad(g))) zero_large(grads[g][e]);
     }
   }
@@ -219,7 +241,7 @@ std::vector<at::Tensor> moe_backward_cpu(
   } else {
     grads[kWeights] = empty_grad(topk_weights);
   }
-  return std::vector<at::Tensor>(grads.begin(), grads.end());
+  return std::vector<at::Tensor>(grads.begin(), grads.begin() + num_grads);
 }
 
 }  // namespace

@@ -3,6 +3,7 @@
 #include "ops/swiglu.h"
 
 #include <cmath>
+#include <string>
 
 namespace kt {
 namespace {
@@ -107,12 +108,26 @@ WeightFormat check_base_weight(const char* name, const char* scale_name, const a
   return format;
 }
 
+// Checks one optional bias: [E, size], the dtype and device of hidden_states.
+void check_bias(const char* name, const std::optional<at::Tensor>& bias, const at::Tensor& hidden_states,
+                const c10::SymInt& experts, const c10::SymInt& size, const char* expected) {
+  if (!bias.has_value()) return;
+  TORCH_CHECK_VALUE(bias->dim() == 2 && bias->sym_size(0) == experts && bias->sym_size(1) == size, "kt.moe: ", name,
+                    " must have shape ", expected, " = [", experts, ", ", size, "], got ", bias->sym_sizes());
+  TORCH_CHECK_TYPE(bias->scalar_type() == hidden_states.scalar_type(), "kt.moe: ", name,
+                   " must have the dtype of hidden_states (", hidden_states.scalar_type(), "), got ",
+                   bias->scalar_type());
+  TORCH_CHECK(bias->device() == hidden_states.device(), "kt.moe: ", name, " must be on the device of hidden_states (",
+              hidden_states.device(), "), got ", bias->device());
+}
+
 }  // namespace
 
 MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                           const at::Tensor& topk_weights, const at::Tensor& gate_proj,
                           const at::Tensor& up_proj, const at::Tensor& down_proj,
-                          const LoraTensors& lora, double lora_scale, const BaseScales& scales) {
+                          const LoraTensors& lora, double lora_scale, const BaseScales& scales,
+                          const ExpertBiases& biases) {
   TORCH_CHECK_VALUE(hidden_states.dim() >= 1, "kt.moe: hidden_states must be [..., H] with at least 1 dim, got a ",
                     hidden_states.dim(), "-d tensor");
   TORCH_CHECK_TYPE(is_supported_float(hidden_states.scalar_type()),
@@ -162,14 +177,25 @@ MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& top
   check_lora_pair("up", lora.up_a, lora.up_b, hidden_states, E, I, H, rank);
   check_lora_pair("down", lora.down_a, lora.down_b, hidden_states, E, H, I, rank);
   TORCH_CHECK_VALUE(std::isfinite(lora_scale), "kt.moe: lora_scale must be finite, got ", lora_scale);
+  check_bias("gate_bias", biases.gate, hidden_states, E, I, "[E, I]");
+  check_bias("up_bias", biases.up, hidden_states, E, I, "[E, I]");
+  check_bias("down_bias", biases.down, hidden_states, E, H, "[E, H]");
   return sizes;
 }
 
 void check_moe_backward_inputs(const MoeSizes& sizes, const at::Tensor& grad_output,
                                const at::Tensor& hidden_states, const at::Tensor& activations,
-                               const LoraTensors& lora, const c10::List<bool>& output_mask) {
-  TORCH_CHECK_VALUE(output_mask.size() == 11, "kt.moe_backward: output_mask must have 11 entries, got ",
+                               const LoraTensors& lora, const ExpertBiases& biases,
+                               const c10::List<bool>& output_mask) {
+  TORCH_CHECK_VALUE(output_mask.size() == kNumGrads || output_mask.size() == kNumGradsWithBiases,
+                    "kt.moe_backward: output_mask must have 11 entries (14 with the biases' gradients), got ",
                     output_mask.size());
+  // Entries 11..13 are the biases: their gradients exist only where the bias does.
+  const bool has_bias[3] = {biases.gate.has_value(), biases.up.has_value(), biases.down.has_value()};
+  for (int i = 0; i < 3 && output_mask.size() == kNumGradsWithBiases; ++i) {
+    TORCH_CHECK_VALUE(!output_mask.get(kNumGrads + i) || has_bias[i], "kt.moe_backward: output_mask[", kNumGrads + i,
+                      "] asks for the gradient of a bias that was not given");
+  }
   // Entries 5..10 are the LoRA tensors: their gradients exist only where the adapter does.
   const bool has_lora[6] = {lora.has_gate(), lora.has_gate(), lora.has_up(),
                             lora.has_up(),   lora.has_down(), lora.has_down()};
@@ -200,9 +226,9 @@ void check_moe_backward_inputs(const MoeSizes& sizes, const at::Tensor& grad_out
                    "kt.moe_backward: activations must have the dtype of hidden_states");
 }
 
-std::array<bool, 11> output_mask_array(const c10::List<bool>& output_mask) {
-  std::array<bool, 11> mask{};
-  for (size_t i = 0; i < mask.size(); ++i) mask[i] = output_mask.get(i);
+std::array<bool, kNumGradsWithBiases> output_mask_array(const c10::List<bool>& output_mask) {
+  std::array<bool, kNumGradsWithBiases> mask{};
+  for (size_t i = 0; i < output_mask.size(); ++i) mask[i] = output_mask.get(i);
   return mask;
 }
 
@@ -210,11 +236,25 @@ std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved) {
   return {2, saved ? sizes.tokens * sizes.top_k : c10::SymInt(0), sizes.intermediate};
 }
 
-double checked_swiglu_limit(const std::optional<double>& swiglu_limit) {
-  if (!swiglu_limit.has_value()) return kNoSwigluLimit;
-  TORCH_CHECK_VALUE(*swiglu_limit > 0, "kt.moe: swiglu_limit must be None or a number > 0 (gate and up are clamped "
-                    "at it), got ", *swiglu_limit);
-  return *swiglu_limit;
+Gating checked_gating(const std::optional<double>& swiglu_limit, c10::string_view activation,
+                      const std::optional<double>& swiglu_alpha) {
+  Gating gating;
+  if (swiglu_limit.has_value()) {
+    TORCH_CHECK_VALUE(*swiglu_limit > 0, "kt.moe: swiglu_limit must be None or a number > 0 (gate and up are "
+                      "clamped at it), got ", *swiglu_limit);
+    gating.limit = *swiglu_limit;
+  }
+  gating.act = parse_gated_activation(std::string(activation));
+  if (gating.act == GatedActivation::kSwigluOai) {
+    TORCH_CHECK_VALUE(swiglu_alpha.has_value() && std::isfinite(*swiglu_alpha) && *swiglu_alpha > 0,
+                      "kt.moe: activation='swigluoai' computes g·σ(α·g)·(u + 1) and needs swiglu_alpha = α, a "
+                      "finite number > 0 (gpt-oss: 1.702), got ", swiglu_alpha.has_value() ? std::to_string(*swiglu_alpha) : "None");
+    gating.alpha = *swiglu_alpha;
+  } else {
+    TORCH_CHECK_VALUE(!swiglu_alpha.has_value(), "kt.moe: swiglu_alpha is the α of activation='swigluoai' and must be "
+                      "None with activation='", std::string(activation), "', got ", *swiglu_alpha);
+  }
+  return gating;
 }
 
 }  // namespace kt

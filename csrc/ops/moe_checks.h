@@ -10,6 +10,7 @@
 #include <array>
 
 #include "ops/expert_weights.h"
+#include "ops/swiglu.h"
 
 namespace kt {
 
@@ -25,6 +26,15 @@ struct LoraTensors {
 // The optional scales of quantized base weights (expert_weights.h), in schema order.
 struct BaseScales {
   std::optional<at::Tensor> gate, up, down;
+};
+
+// The optional per-expert biases (gpt-oss's experts), in schema order: gate [E, I] and up
+// [E, I] added to the pre-activations, down [E, H] to each expert's output (before the
+// routing weight); in the dtype of hidden_states.
+struct ExpertBiases {
+  std::optional<at::Tensor> gate, up, down;
+
+  bool any() const { return gate.has_value() || up.has_value() || down.has_value(); }
 };
 
 // Sizes of one kt.moe call, as SymInts.
@@ -49,7 +59,8 @@ MoeSizes check_moe_inputs(
     const at::Tensor& down_proj,
     const LoraTensors& lora,
     double lora_scale,
-    const BaseScales& scales);
+    const BaseScales& scales,
+    const ExpertBiases& biases);
 
 // Checks the extra arguments of kt.moe_backward (grad_output, activations, output_mask).
 void check_moe_backward_inputs(
@@ -58,14 +69,24 @@ void check_moe_backward_inputs(
     const at::Tensor& hidden_states,
     const at::Tensor& activations,
     const LoraTensors& lora,
+    const ExpertBiases& biases,
     const c10::List<bool>& output_mask);
 
-// output_mask as a fixed array (after check_moe_backward_inputs checked its size).
-std::array<bool, 11> output_mask_array(const c10::List<bool>& output_mask);
+// Entries of kt.moe_backward's output_mask (and of its result): hidden_states, topk_weights,
+// the 3 base weights, the 6 LoRA tensors, then, optionally (a mask of kNumGradsWithBiases),
+// the 3 biases. A mask of kNumGrads entries asks for no bias gradient.
+constexpr int kNumGrads = 11;
+constexpr int kNumGradsWithBiases = 14;
 
-// swiglu_limit of kt.moe as the SwiGLU kernels take it (kNoSwigluLimit for None); ValueError
-// unless it is None or a number > 0.
-double checked_swiglu_limit(const std::optional<double>& swiglu_limit);
+// output_mask as a fixed array (after check_moe_backward_inputs checked its size); the bias
+// entries are false for a mask of kNumGrads entries.
+std::array<bool, kNumGradsWithBiases> output_mask_array(const c10::List<bool>& output_mask);
+
+// kt.moe's gating arguments as the SwiGLU kernels take them (swiglu.h). ValueError naming the
+// argument unless swiglu_limit is None or a number > 0, activation is one swiglu.h names, and
+// swiglu_alpha is a finite number > 0 for activation='swigluoai' and None otherwise.
+Gating checked_gating(const std::optional<double>& swiglu_limit, c10::string_view activation,
+                      const std::optional<double>& swiglu_alpha);
 
 // Shape of the saved activations: [2, T*K, I], or [2, 0, I] when nothing is saved.
 std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved);

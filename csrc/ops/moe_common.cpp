@@ -24,7 +24,8 @@ std::optional<at::Tensor> plain(const std::optional<at::Tensor>& t) {
 MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
                              const at::Tensor& topk_weights, const at::Tensor& gate_proj,
                              const at::Tensor& up_proj, const at::Tensor& down_proj,
-                             const LoraTensors& lora, double lora_scale, const BaseScales& scales) {
+                             const LoraTensors& lora, double lora_scale, const BaseScales& scales,
+                             const ExpertBiases& biases) {
   const int64_t H = hidden_states.size(-1);
   const int64_t K = topk_ids.size(-1);
   // T from the leading dims, not reshape(-1, ...): -1 is ambiguous when K (or H) is 0.
@@ -39,6 +40,7 @@ MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& 
   in.lora = {plain(lora.gate_a), plain(lora.gate_b), plain(lora.up_a),
              plain(lora.up_b),   plain(lora.down_a), plain(lora.down_b)};
   in.scale = lora_scale;
+  in.biases = {plain(biases.gate), plain(biases.up), plain(biases.down)};
   return in;
 }
 

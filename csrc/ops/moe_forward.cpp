@@ -36,9 +36,9 @@ constexpr int64_t kForwardBlockRows = 256;
 // at 4 rows and the dot products 1.5x slower at 8 (benchmarks/gemv_rows.py).
 constexpr int64_t kGemvMaxRows = 4;
 
-at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, double limit, GatedActivation act) {
+at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, const Gating& gating) {
   at::Tensor h = at::empty(g.sizes(), g.options());
-  swiglu_forward(g, u, h, limit, act);
+  swiglu_forward(g, u, h, gating);
   return h;
 }
 
@@ -50,16 +50,18 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
     double lora_scale, bool save_activations, const std::optional<at::Tensor>& gate_scale,
     const std::optional<at::Tensor>& up_scale, const std::optional<at::Tensor>& down_scale,
-    std::optional<double> swiglu_limit, c10::string_view activation) {
+    std::optional<double> swiglu_limit, c10::string_view activation,
+    std::optional<double> swiglu_alpha, const std::optional<at::Tensor>& gate_bias,
+    const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias) {
   const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
-  const double limit = checked_swiglu_limit(swiglu_limit);
-  const GatedActivation act = parse_gated_activation(std::string(activation));
+  const Gating gating = checked_gating(swiglu_limit, activation, swiglu_alpha);
   const BaseScales scales{gate_scale, up_scale, down_scale};
+  const ExpertBiases biases{gate_bias, up_bias, down_bias};
   const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales);
+                                          down_proj, lora, lora_scale, scales, biases);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
   const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales);
+                                          down_proj, lora, lora_scale, scales, biases);
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.out;
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
@@ -101,14 +103,18 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
     }
     add_lora(g, x_e, expert_slice(in.lora.gate_a, e), expert_slice(gate_b_t, e), in.scale);
     add_lora(u, x_e, expert_slice(in.lora.up_a, e), expert_slice(up_b_t, e), in.scale);
+    // Biases on every row, padding included: padded rows only ever reach o's rows past n.
+    if (in.biases.gate) g.add_((*in.biases.gate)[e]);
+    if (in.biases.up) u.add_((*in.biases.up)[e]);
     if (save_activations) {
       activations[0].narrow(0, blk.begin, n).copy_(g.narrow(0, 0, n));
       activations[1].narrow(0, blk.begin, n).copy_(u.narrow(0, 0, n));
     }
-    const at::Tensor h = swiglu(g, u, limit, act);
+    const at::Tensor h = swiglu(g, u, gating);
     at::Tensor o = gemv ? thin_gemm_nt(h, in.down.expert(e))
                         : packed ? packed_linear(h, packed->down[e]) : base_mm_nt(h, in.down.expert(e));
     add_lora(o, h, expert_slice(in.lora.down_a, e), expert_slice(down_b_t, e), in.scale);
+    if (in.biases.down) o.add_((*in.biases.down)[e]);
     expert_out.keep(blk.begin, n, o);
   });
 

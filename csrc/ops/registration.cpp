@@ -27,45 +27,52 @@ PyObject* PyInit__C(void) {
 // that calls on dense weights are unchanged.
 #define KT_SCALE_ARGS "Tensor? gate_scale=None, Tensor? up_scale=None, Tensor? down_scale=None"
 
-// The gating (csrc/ops/swiglu.h): the clamp of SwiGLU variants with a swiglu_limit, and the
-// gate's activation ('silu' or 'gelu_tanh'); after the scales for the same reason.
-#define KT_LIMIT_ARGS "float? swiglu_limit=None, str activation=\"silu\""
+// The gating (csrc/ops/swiglu.h): the clamp of SwiGLU variants with a swiglu_limit, the
+// gate's activation ('silu', 'gelu_tanh' or 'swigluoai') and swigluoai's alpha; after the
+// scales for the same reason.
+#define KT_GATING_ARGS "float? swiglu_limit=None, str activation=\"silu\", float? swiglu_alpha=None"
+
+// Per-expert biases (gpt-oss's experts; csrc/ops/moe_checks.h): gate [E, I], up [E, I], down
+// [E, H], in the dtype of hidden_states; last, for the same reason.
+#define KT_BIAS_ARGS "Tensor? gate_bias=None, Tensor? up_bias=None, Tensor? down_bias=None"
 
 TORCH_LIBRARY(kt, m) {
   // The public, differentiable op. CompositeImplicitAutograd: it calls moe_forward and
   // returns only the output; autograd lives on moe_forward.
-  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ", " KT_LIMIT_ARGS ") -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ") -> Tensor",
+        {at::Tag::pt2_compliant_tag});
 
   // Forward that also returns what backward needs: the gate and up pre-activations
   // [2, T*K, I] in expert-sorted order (or [2, 0, I] when save_activations is false).
-  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_LIMIT_ARGS
-        ") -> (Tensor output, Tensor activations)",
+  m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_GATING_ARGS
+        ", " KT_BIAS_ARGS ") -> (Tensor output, Tensor activations)",
         {at::Tag::pt2_compliant_tag});
 
   // Gradients of moe_forward. output_mask has 11 entries, in the order
   // hidden_states, topk_weights, gate_proj, up_proj, down_proj, gate_lora_a, gate_lora_b,
-  // up_lora_a, up_lora_b, down_lora_a, down_lora_b; an unrequested gradient is not
-  // computed and comes back as an empty tensor of shape [0]; quantized base weights have none. Returns the 11 gradients in
-  // the order of output_mask.
+  // up_lora_a, up_lora_b, down_lora_a, down_lora_b, or 14 with gate_bias, up_bias, down_bias
+  // after them; an unrequested gradient is not computed and comes back as an empty tensor of
+  // shape [0]; quantized base weights have none. Returns one gradient per entry of
+  // output_mask, in its order.
   m.def(
       "moe_backward(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
-      ", " KT_LIMIT_ARGS ") -> Tensor[]",
+      ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ") -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 
   // The C++ CPU kernels of moe_forward / moe_backward. The CPU kernels registered for the
   // two ops above are thin Python wrappers (kt_ops/_kernels.py) that call these and, on
   // failure, tell the other ranks of a distributed job before raising (kt_ops/faults.py).
-  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_LIMIT_ARGS
-        ") -> (Tensor output, Tensor activations)");
+  m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_GATING_ARGS
+        ", " KT_BIAS_ARGS ") -> (Tensor output, Tensor activations)");
   m.def(
       "_moe_backward_cpu(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
-      ", " KT_LIMIT_ARGS ") -> Tensor[]");
+      ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ") -> Tensor[]");
 
   // Collectives over a torch.distributed process group (kernels and autograd:
   // kt_ops/collectives.py; fakes: meta_kernels/collectives.py). rank and world_size are
@@ -109,7 +116,8 @@ TORCH_LIBRARY(kt, m) {
   // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
-  m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None, str activation=\"silu\") -> Tensor");
+  m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None, str activation=\"silu\", "
+        "float? alpha=None) -> Tensor");
   // The bf16-to-float32 panel GEMMs of base_gemm.h (x·wᵀ, d·w [+ addend], aᵀ·b).
   m.def("_panel_mm_nt(Tensor x, Tensor w) -> Tensor");
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
@@ -141,6 +149,6 @@ TORCH_LIBRARY(kt, m) {
   m.def("_thin_gemm_nn_taken(Tensor d, Tensor weight, Tensor? scale) -> bool");
   m.def(
       "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa, "
-      "float? limit=None, str activation=\"silu\") "
+      "float? limit=None, str activation=\"silu\", float? alpha=None) "
       "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
 }

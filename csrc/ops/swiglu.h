@@ -8,6 +8,7 @@
 #include <ATen/ATen.h>
 
 #include <limits>
+#include <string>
 
 #include "ops/cpu_isa.h"
 
@@ -19,19 +20,29 @@ namespace kt {
 // cut and where the input is NaN). kNoSwigluLimit: no clamp.
 constexpr double kNoSwigluLimit = std::numeric_limits<double>::infinity();
 
-// The gate's activation act(g) in h = act(g)·u: SiLU (SwiGLU) or the tanh approximation of
-// GELU (GeGLU, transformers' gelu_pytorch_tanh: Gemma 4). Both are g·σ(z): z = g for SiLU,
-// z = 2·sqrt(2/π)·(g + 0.044715·g³) for GELU-tanh (0.5·(1 + tanh(y)) = σ(2y)).
-enum class GatedActivation { kSilu, kGeluTanh };
+// The gate's activation act(g) in h = act(g)·u: SiLU (SwiGLU), the tanh approximation of
+// GELU (GeGLU, transformers' gelu_pytorch_tanh: Gemma 4), or gpt-oss's SwiGLU (vLLM's
+// "swigluoai": gpt-oss, MiniMax-M3), which scales SiLU's argument by α and shifts up by one:
+// h = g·σ(α·g)·(u + 1). All are g·σ(z): z = g for SiLU, z = 2·sqrt(2/π)·(g + 0.044715·g³)
+// for GELU-tanh (0.5·(1 + tanh(y)) = σ(2y)), z = α·g for swigluoai.
+enum class GatedActivation { kSilu, kGeluTanh, kSwigluOai };
 
-// "silu" | "gelu_tanh"; ValueError naming `activation` otherwise.
+// What the experts compute between the gate|up projections and down (kt.moe's gating
+// arguments, checked by moe_checks.h's checked_gating): the clamp, then the activation.
+struct Gating {
+  double limit = kNoSwigluLimit;  // kNoSwigluLimit: no clamp
+  GatedActivation act = GatedActivation::kSilu;
+  double alpha = 1.0;  // swigluoai's α; 1 (unused) otherwise
+
+  bool clamps() const { return limit != kNoSwigluLimit; }
+};
+
+// "silu" | "gelu_tanh" | "swigluoai"; ValueError naming `activation` otherwise.
 GatedActivation parse_gated_activation(const std::string& activation);
 
-// h = silu(g)·u.   g, u, h: [n, I].
-void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, double limit = kNoSwigluLimit,
-                    GatedActivation act = GatedActivation::kSilu);
-void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, CpuIsa isa,
-                    double limit = kNoSwigluLimit, GatedActivation act = GatedActivation::kSilu);
+// h = silu(g)·u (or the gating's form).   g, u, h: [n, I].
+void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, const Gating& gating = {});
+void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, CpuIsa isa, const Gating& gating = {});
 
 // Backward of o_i = w_i · down(silu(g_i)·u_i) through the SwiGLU, for rows i < n, given
 // dh'_i = d(down input) without the routing weight:
@@ -39,7 +50,8 @@ void swiglu_forward(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, Cpu
 //   hw = w·silu(g)·u   (the down projection's input for its weight gradients; optional),
 //   dw_i = Σ dh'·silu(g)·u   (the routing weight's gradient; optional).
 // With a limit, g and u are the clamped ones and dg, du are zero where the clamp cut. With
-// GELU-tanh, silu and its derivative above are act(g) = g·σ(z) and σ(z) + act(g)(1 − σ(z))·z'.
+// another activation, silu and its derivative above are act(g) = g·σ(z) and
+// σ(z) + act(g)(1 − σ(z))·z'; swigluoai's u is u + 1 (after the clamp).
 // g, u: [n, I]; dh: [p, I] with p >= n; w: float32/float64 [p] (the accumulation dtype);
 // dg, du, hw: [p, I], rows n..p-1 are written with zeros; dw: [n] accumulation dtype.
 struct SwigluBackwardOut {
@@ -48,10 +60,8 @@ struct SwigluBackwardOut {
   at::Tensor dw;  // undefined: not computed
 };
 void swiglu_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w,
-                     SwigluBackwardOut& out, double limit = kNoSwigluLimit,
-                     GatedActivation act = GatedActivation::kSilu);
+                     SwigluBackwardOut& out, const Gating& gating = {});
 void swiglu_backward(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh, const at::Tensor& w,
-                     SwigluBackwardOut& out, CpuIsa isa, double limit = kNoSwigluLimit,
-                     GatedActivation act = GatedActivation::kSilu);
+                     SwigluBackwardOut& out, CpuIsa isa, const Gating& gating = {});
 
 }  // namespace kt

@@ -14,6 +14,9 @@ rsLoRA). For ``gate_up_proj [E, 2I, H]`` that is ONE rank-r LoRA on the fused ma
 ``[r, H]`` is shared by the gate and up halves and ``B[e] [2I, r]`` splits into the gate rows
 ``[:I]`` and up rows ``[I:]``. kt_ops represents exactly that: ``gate_lora_a`` and
 ``up_lora_a`` are one tied parameter, ``gate_lora_b = B[:, :I]``, ``up_lora_b = B[:, I:]``.
+Transposed experts (gpt-oss, Aria: ``W [E, in, out]``) get the same factors (PEFT swaps its
+in/out for them: ``W[e] + s·(B[e]·A[e])ᵀ``); where gate and up outputs are interleaved
+(gpt-oss), so are B's rows: gate ``B[:, 0::2]``, up ``B[:, 1::2]``.
 
 Wrappers on one module nest in parameter registration order: ``gate_up_proj`` (registered
 first) is the inner wrapper, so its keys are ``<block>.experts.base_layer.lora_{A,B}.weight``,
@@ -33,6 +36,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.patch import patched_blocks
 from kt_ops.hf.peft_attention import combined_adapter, get_peft_model, is_peft_model, peft_config_without_experts
 
@@ -84,7 +88,8 @@ def kt_block_to_peft(block: nn.Module) -> dict[str, Tensor]:
     if kt.gate_lora_a is not kt.up_lora_a and not torch.equal(kt.gate_lora_a, kt.up_lora_a):
         raise ValueError("save_adapter: gate_lora_a and up_lora_a differ; PEFT's LoRA on the fused "
                          "experts.gate_up_proj has one A shared by gate and up (patch_model ties them)")
-    a, b = kt_factors_to_peft(kt.gate_lora_a, torch.cat([kt.gate_lora_b, kt.up_lora_b], dim=1))
+    fused_b = ExpertsLayout(interleaved=kt.gate_up_interleaved).fuse_gate_up(kt.gate_lora_b, kt.up_lora_b)
+    a, b = kt_factors_to_peft(kt.gate_lora_a, fused_b)
     a_d, b_d = kt_factors_to_peft(kt.down_lora_a, kt.down_lora_b)
     out = {_GATE_UP_KEYS[0]: a, _GATE_UP_KEYS[1]: b, _DOWN_KEYS[0]: a_d, _DOWN_KEYS[1]: b_d}
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
@@ -119,7 +124,8 @@ def peft_block_to_kt(tensors: dict[str, Tensor], block: nn.Module, r: int,
         if a.shape[1] == H and b.shape[0] == 2 * I:
             if "gate_lora_a" in out:
                 raise ValueError(f"{who}: two LoRAs for experts.gate_up_proj")
-            out["gate_lora_a"], out["gate_lora_b"], out["up_lora_b"] = A, B[:, :I], B[:, I:]
+            out["gate_lora_a"] = A
+            out["gate_lora_b"], out["up_lora_b"] = ExpertsLayout(interleaved=kt.gate_up_interleaved).split_gate_up(B)
         elif a.shape[1] == I and b.shape[0] == H:
             if "down_lora_a" in out:
                 raise ValueError(f"{who}: two LoRAs for experts.down_proj")

@@ -22,6 +22,7 @@ from typing import Optional, Sequence
 import torch
 
 from kt_ops import quantization
+from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import is_experts_module
 
 # (label, expert_format, group_size): the table's columns after bf16.
@@ -53,8 +54,8 @@ def expert_layers(config) -> list[ExpertLayer]:
     layers = []
     for name, module in model.named_modules():
         if is_experts_module(module):
-            E, two_i, H = module.gate_up_proj.shape
-            layers.append(ExpertLayer(name, E, H, two_i // 2))
+            E, I, H = ExpertsLayout.of(module).sizes(module.gate_up_proj)
+            layers.append(ExpertLayer(name, E, H, I))
     if not layers:
         raise ValueError(f"expert_layers: {type(model).__name__} (model_type={config.model_type!r}) has no "
                          "transformers experts module")

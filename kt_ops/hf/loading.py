@@ -31,6 +31,7 @@ from torch import nn
 
 from kt_ops import quantization
 from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
+from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import is_experts_module
 from kt_ops.hf.patch import materialize_experts, patch_model
 from kt_ops.hf.shards import ShardReader, TensorRef, shard_files, tensor_refs
@@ -247,6 +248,8 @@ class _Plan:
         self.prefix = model.base_model_prefix
         self.meta_state = model.state_dict()
         self.experts_paths = [n for n, m in model.named_modules() if is_experts_module(m)]
+        for path in self.experts_paths:
+            _check_layout(path, model.get_submodule(path))
         self.expert_shapes = {n: tuple(model.get_submodule(n).gate_up_proj.shape) for n in self.experts_paths}
         self.num_experts = {n: shape[0] for n, shape in self.expert_shapes.items()}
         self.tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
@@ -396,6 +399,20 @@ class _Plan:
                     missing.append(f"{path}.{{{_ranges(lacking)}}}.{proj}.weight (expert {proj} of {path})")
         if missing:
             raise ValueError(f"checkpoint: {len(missing)} weight(s) of the model missing: {_names(missing)}")
+
+
+def _check_layout(path: str, experts: nn.Module) -> None:
+    """ValueError for experts in a layout other than kt's (transposed, interleaved or with
+    biases: gpt-oss, Aria): this loader writes checkpoint tensors into kt's layout as they are;
+    transformers' from_pretrained + patch_model converts those (kt_ops.hf.expert_layout)."""
+    layout = ExpertsLayout.of(experts)
+    if layout == ExpertsLayout():
+        return
+    held = [what for what, flag in (("transposed", layout.transposed), ("with gate/up interleaved", layout.interleaved),
+                                    ("with biases", layout.has_bias)) if flag]
+    raise ValueError(f"checkpoint: {path} ({type(experts).__name__}) holds its experts {', '.join(held)}; kt_ops reads "
+                     "experts stored in its own layout only (gate|up concatenated, not transposed, no biases): load "
+                     "this model with transformers' from_pretrained(...) and call kt_ops.patch_model(model, ...)")
 
 
 def _logical_shape(parts: dict) -> tuple:

@@ -22,8 +22,9 @@ from torch import nn
 
 from kt_ops import quantization
 from kt_ops.distributed import prepare_ddp
+from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts, gating_of
-from kt_ops.layer import _BASE_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES, KTMoE
 from kt_ops.rank_discovery import discover_rank
 
 
@@ -46,14 +47,15 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     """Replace, in place, every transformers experts module of ``model`` by a
     :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
-    Any transformers 5.x MoE model whose experts follow the experts contract with SwiGLU
-    experts (concatenated gate|up, not transposed, no bias, ``silu``) is covered, whatever
-    its routing: the model's block still computes ``top_k_index`` / ``top_k_weights`` and
-    calls ``experts(...)``, which is now kt. Per experts module: the fused
-    ``gate_up_proj [E, 2I, H]`` is split into ``gate_proj = [:, :I]`` and ``up_proj = [:, I:]``
-    (each ``[E, I, H]``), ``down_proj [E, H, I]`` is kept, all moved to the owner rank's CPU
-    in the experts' dtype (float32, bfloat16 or float64); other ranks drop the expert
-    weights. Masked slots (expert id ``num_experts`` or negative) contribute nothing.
+    Any transformers 5.x MoE model whose experts follow the experts contract with gated
+    experts kt.moe computes (:mod:`kt_ops.hf.experts`) is covered, whatever its routing: the
+    model's block still computes ``top_k_index`` / ``top_k_weights`` and calls
+    ``experts(...)``, which is now kt. Per experts module: the fused ``gate_up_proj [E, 2I, H]``
+    is split into ``gate_proj = [:, :I]`` and ``up_proj = [:, I:]`` (each ``[E, I, H]``),
+    ``down_proj [E, H, I]`` is kept (other layouts: transposed, interleaved, with biases, are
+    converted into these: :mod:`kt_ops.hf.expert_layout`), all moved to the owner rank's CPU in
+    the experts' dtype (float32, bfloat16 or float64); other ranks drop the expert weights.
+    Masked slots (expert id ``num_experts`` or negative) contribute nothing.
 
     LoRA (``lora_rank > 0``) reproduces PEFT's expert LoRA
     (``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])``): PEFT
@@ -123,9 +125,9 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     for name, experts in targets:  # check every module before changing any
         why = experts_support(experts)
         if why is None and expert_format == "int4":
-            E, two_i, H = experts.gate_up_proj.shape
-            if H % group_size or (two_i // 2) % group_size:
-                why = (f"int4 groups of {group_size} must divide hidden size {H} and intermediate size {two_i // 2}; "
+            E, I, H = ExpertsLayout.of(experts).sizes(experts.gate_up_proj)
+            if H % group_size or I % group_size:
+                why = (f"int4 groups of {group_size} must divide hidden size {H} and intermediate size {I}; "
                        "choose another group_size")
         if why is not None:
             raise ValueError(f"patch_model: {name}: {why}")
@@ -151,9 +153,9 @@ def _top_k(experts: nn.Module, num_experts: int) -> int:
 def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
                      owner_rank: int, process_group: Optional[dist.ProcessGroup], expert_format: Optional[str],
                      group_size: Optional[int], expert_replica_group: Optional[dist.ProcessGroup]) -> KTExperts:
-    gate_up, down = experts.gate_up_proj, experts.down_proj
-    E, two_i, H = gate_up.shape
-    I = two_i // 2
+    layout = ExpertsLayout.of(experts)
+    gate_up = experts.gate_up_proj
+    E, I, H = layout.sizes(gate_up)
 
     # Build the layer without allocating or randomly initialising expert memory (the owner's
     # weights come from the model: build on the meta device; non-owners allocate none), and
@@ -164,15 +166,19 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
                        dtype=gate_up.dtype, expert_format=expert_format, group_size=group_size,
-                       expert_replica_group=expert_replica_group, **gating_of(experts))
+                       expert_replica_group=expert_replica_group, expert_bias=layout.has_bias,
+                       **gating_of(experts))
+    kt.gate_up_interleaved = layout.interleaved  # the order of PEFT's fused gate_up LoRA rows (adapters)
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.
     lora_seed = int(torch.randint(0, 2**62, ()).item())
     if kt.is_owner:
         on_meta = gate_up.device.type == "meta"
         cpu = gate_up.device if on_meta else torch.device("cpu")
         with torch.no_grad():
-            weights = {"gate_proj": gate_up.detach()[:, :I], "up_proj": gate_up.detach()[:, I:],
-                       "down_proj": down.detach()}
+            weights = {name: w.detach() for name, w in layout.weights(experts).items()}
+            for name, b in layout.biases(experts).items():
+                if b is not None:  # biases stay in the model's dtype, quantized experts or not
+                    setattr(kt, name, nn.Parameter(b.detach().to(cpu).contiguous(), requires_grad=train_base))
             for name, w in weights.items():
                 if expert_format is None:
                     setattr(kt, name, nn.Parameter(w.to(cpu).contiguous(), requires_grad=train_base))
@@ -195,6 +201,9 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     kt.register_gradient_hooks()  # on the real parameters, not the meta ones built above
     experts.gate_up_proj = None  # drop the model's copies now (on every rank), not at the next gc
     experts.down_proj = None
+    if layout.has_bias:
+        experts.gate_up_proj_bias = None
+        experts.down_proj_bias = None
     kt.train(experts.training)
     return kt
 
@@ -210,7 +219,7 @@ def materialize_experts(kt: KTExperts, device: torch.device, scale_dtype: Option
     the format's default (for a loader copying scales that bf16 cannot hold exactly)."""
     with torch.no_grad():
         if kt.is_owner:
-            for name in _BASE_NAMES + _SCALE_NAMES:
+            for name in _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES:
                 p = getattr(kt, name, None)
                 if p is not None and p.device.type == "meta":
                     dtype = scale_dtype if scale_dtype is not None and name in _SCALE_NAMES else p.dtype

@@ -23,9 +23,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from kt_ops.distributed import expert_parameter_names
 from kt_ops.hf.adapters import save_adapter
 from kt_ops.hf.patch import patched_experts
-from kt_ops.layer import _BASE_NAMES, _SCALE_NAMES
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES
 
-_BASE_AND_SCALES = set(_BASE_NAMES + _SCALE_NAMES)
+_BASE_AND_SCALES = set(_BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES)  # the frozen base: weights, scales, biases
 
 
 class KTAdapterCallback(TrainerCallback):
