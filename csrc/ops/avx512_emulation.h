@@ -1,4 +1,4 @@
-// AVX-512 (F, BW, VL, DQ, BF16, VNNI) and AMX-BF16's tiles emulated on AVX2, for the test build of the kernels only
+// AVX-512 (F, BW, VL, DQ, BF16, VNNI, VBMI) and AMX-BF16's tiles emulated on AVX2, for the test build of the kernels only
 // (KT_OPS_EMULATE_AVX512, built by tests/avx512_emulation.py with -mavx2 -mfma -mf16c). It lets the avx512 and
 // avx512_bf16 kernels run, and be compared with their reference loops, on CPUs without AVX-512, as CI's
 // often are. Never part of the library users build.
@@ -8,7 +8,7 @@
 // follow, lane by lane, as Intel's pseudocode defines them, and so do the AMX tile instructions (a thread's
 // eight tiles as plain memory; SIMDe has no AMX). Where this differs from the hardware, it stays within what
 // the kernels may rely on: _mm512_rcp14_ps is an exact reciprocal (the hardware's is within 2^-14);
-// _mm512_reduce_add_ps adds in GCC's order (halves first), which the hardware leaves to the compiler anyway;
+// _mm512_reduce_add_ps / _max_ps reduce in GCC's order (halves first), which the hardware leaves to the compiler;
 // SIMDe's _mm512_dpbf16_ps reads denormal bf16 operands as they are, where VDPBF16PS reads them as zero.
 #pragma once
 
@@ -25,8 +25,10 @@
 #define SIMDE_X86_AVX512DQ_ENABLE_NATIVE_ALIASES
 #define SIMDE_X86_AVX512BF16_ENABLE_NATIVE_ALIASES
 #define SIMDE_X86_AVX512VNNI_ENABLE_NATIVE_ALIASES
+#define SIMDE_X86_AVX512VBMI_ENABLE_NATIVE_ALIASES
 #include <simde/x86/avx512.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 
@@ -136,6 +138,27 @@ inline float reduce_add_ps(simde__m512 a) {
   return r.v[0];
 }
 
+// VMAXPS's order reduced (GCC's, halves first); the kernels reduce magnitudes, never NaN.
+inline float reduce_max_ps(simde__m512 a) {
+  Lanes<float, simde__m512> r(a);
+  for (int width = 8; width >= 1; width /= 2) {
+    for (int i = 0; i < width; ++i) r.v[i] = r.v[i] > r.v[i + width] ? r.v[i] : r.v[i + width];
+  }
+  return r.v[0];
+}
+
+// VCVTPS2DQ under MXCSR's default rounding (to nearest even); NaN and out-of-range values give
+// the "integer indefinite" 0x80000000, as the hardware does.
+inline simde__m512i cvtps_epi32(simde__m512 a) {
+  const Lanes<float, simde__m512> in(a);
+  Lanes<int32_t, simde__m512i> out;
+  for (int i = 0; i < 16; ++i) {
+    const float r = std::nearbyint(in.v[i]);
+    out.v[i] = r >= -2147483648.0f && r < 2147483648.0f ? static_cast<int32_t>(r) : INT32_MIN;
+  }
+  return out.vec();
+}
+
 // ---- AMX-BF16 tiles (amx_gemm.cpp): eight 1 KiB tiles of 16 rows of 64 bytes per thread ------------------
 
 struct TileState {
@@ -224,6 +247,8 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define _mm512_cvtne2ps_pbh(a, b) kt_avx512_emulation::cvtne2ps_pbh(a, b)
 #undef _mm512_cvtph_ps
 #define _mm512_cvtph_ps(a) kt_avx512_emulation::cvtph_ps(a)
+#undef _mm512_maskz_loadu_epi8
+#define _mm512_maskz_loadu_epi8(k, p) (kt_avx512_emulation::maskz_load<int8_t, simde__m512i>(k, p))
 #undef _mm512_maskz_loadu_epi16
 #define _mm512_maskz_loadu_epi16(k, p) (kt_avx512_emulation::maskz_load<int16_t, simde__m512i>(k, p))
 #undef _mm256_maskz_loadu_epi16
@@ -234,6 +259,10 @@ inline void tile_dpbf16ps(int c, int a, int b) {
 #define _mm512_rcp14_ps(a) kt_avx512_emulation::rcp14_ps(a)
 #undef _mm512_reduce_add_ps
 #define _mm512_reduce_add_ps(a) kt_avx512_emulation::reduce_add_ps(a)
+#undef _mm512_reduce_max_ps
+#define _mm512_reduce_max_ps(a) kt_avx512_emulation::reduce_max_ps(a)
+#undef _mm512_cvtps_epi32
+#define _mm512_cvtps_epi32(a) kt_avx512_emulation::cvtps_epi32(a)
 #undef _mm512_shuffle_i32x4
 #define _mm512_shuffle_i32x4(a, b, imm) kt_avx512_emulation::shuffle_128_bit_quarters(a, b, imm)
 #undef _mm512_shuffle_i64x2

@@ -94,6 +94,24 @@ bool onednn_cap_excludes_amx() {
   return !cap.empty() && cap != "ALL" && cap.find("AMX") == std::string::npos;
 }
 
+bool cpu_has_avx512_vbmi() {
+#ifdef KT_OPS_EMULATE_AVX512
+  return true;
+#else
+  static const bool has = __builtin_cpu_supports("avx512vbmi");
+  return has;
+#endif
+}
+
+bool cpu_has_avx512_vnni() {
+#ifdef KT_OPS_EMULATE_AVX512
+  return true;
+#else
+  static const bool has = __builtin_cpu_supports("avx512vnni");
+  return has;
+#endif
+}
+
 CpuIsa best_cpu_isa() {
   for (CpuIsa isa : {CpuIsa::kAvx512Bf16, CpuIsa::kAvx512, CpuIsa::kAvx2}) {
     if (cpu_supports(isa)) return isa;

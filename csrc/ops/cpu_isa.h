@@ -33,17 +33,32 @@ void set_active_cpu_isa(CpuIsa isa);
 // kt_ops leaves its AMX kernels out too (amx_gemm.h).
 bool onednn_cap_excludes_amx();
 
+// Whether the CPU has AVX512-VBMI (true in the test build that emulates AVX-512).
+bool cpu_has_avx512_vbmi();
+
+// Whether the CPU has AVX512-VNNI (true in the test build that emulates AVX-512).
+bool cpu_has_avx512_vnni();
+
 // Functions compiled for one path. AVX-512 implies AVX2 and FMA on every CPU that has it.
 #define KT_TARGET_AVX2 __attribute__((target("avx2,fma,f16c")))
 #ifndef KT_OPS_EMULATE_AVX512
 #define KT_TARGET_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma")))
 #define KT_TARGET_AVX512_BF16 \
   __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx2,fma")))
+// Kernels of the avx512_bf16 path that also need AVX512-VBMI's byte permutes (every CPU with
+// AVX512-BF16 but Cooper Lake has it): called only where cpu_has_avx512_vbmi().
+#define KT_TARGET_AVX512_BF16_VBMI \
+  __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi,avx2,fma")))
+// Kernels of the avx512 paths that also need AVX512-VNNI's integer dot products: called only where
+// cpu_has_avx512_vnni().
+#define KT_TARGET_AVX512_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512vnni,avx2,fma")))
 #else
 // The test build that emulates AVX-512 (x86_intrinsics.h): the AVX-512 kernels compile for AVX2, so that
 // the compiler emits no AVX-512 instruction of its own in them.
 #define KT_TARGET_AVX512 KT_TARGET_AVX2
 #define KT_TARGET_AVX512_BF16 KT_TARGET_AVX2
+#define KT_TARGET_AVX512_BF16_VBMI KT_TARGET_AVX2
+#define KT_TARGET_AVX512_VNNI KT_TARGET_AVX2
 #endif
 
 }  // namespace kt

@@ -144,6 +144,11 @@ at::Tensor quant_gemv_op(const at::Tensor& x, const at::Tensor& weight, const at
   return quant_gemv_nt(x, quantized_matrix(weight, scale), parse_cpu_isa(isa, "isa"));
 }
 
+std::tuple<at::Tensor, bool> quant_gemv_int4_vnni_op(const at::Tensor& x, const at::Tensor& weight,
+                                                      const at::Tensor& scale) {
+  return quant_gemv_int4_vnni(x, quantized_matrix(weight, scale));
+}
+
 std::tuple<at::Tensor, bool> quant_gemv_int16_op(const at::Tensor& x, const at::Tensor& weight,
                                                  const at::Tensor& scale) {
   return quant_gemv_int16_avx2(x, quantized_matrix(weight, scale));
@@ -261,6 +266,7 @@ TORCH_LIBRARY_IMPL(kt, CPU, m) {
   m.impl("_dequantize_into_layout", &dequantize_into_layout_op);
   m.impl("_quant_gemv_nt", &quant_gemv_op);
   m.impl("_quant_gemv_int16", &quant_gemv_int16_op);
+  m.impl("_quant_gemv_int4_vnni", &quant_gemv_int4_vnni_op);
   m.impl("_quant_mm_nt", &quant_mm_nt_op);
   m.impl("_quant_mm_nn", &quant_mm_nn_op);
   m.impl("_thin_gemm_nn", &thin_gemm_nn_op);

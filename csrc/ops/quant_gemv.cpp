@@ -418,17 +418,50 @@ void qgemv::int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, 
   }
 }
 
+namespace {
+
+// Whether x [M, K] holds an inf; a scan of the raw bits for float32 and bf16 rows (a decode step
+// asks for every int4 GEMV, so it must cost next to nothing).
+template <typename Bits>
+bool rows_hold_inf(const at::Tensor& x, Bits magnitude_mask, Bits inf) {
+  const Bits* p = static_cast<const Bits*>(x.const_data_ptr());
+  bool any = false;
+  for (int64_t m = 0; m < x.size(0); ++m) {
+    const Bits* row = p + m * x.stride(0);
+    for (int64_t k = 0; k < x.size(1); ++k) any |= (row[k] & magnitude_mask) == inf;
+  }
+  return any;
+}
+
+bool holds_inf(const at::Tensor& x) {
+  if (x.stride(1) == 1 && x.scalar_type() == at::kBFloat16) return rows_hold_inf<uint16_t>(x, 0x7fff, 0x7f80);
+  if (x.stride(1) == 1 && x.scalar_type() == at::kFloat) return rows_hold_inf<uint32_t>(x, 0x7fffffff, 0x7f800000);
+  return at::isinf(x).any().item<bool>();
+}
+
+}  // namespace
+
 at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa) {
   TORCH_INTERNAL_ASSERT(w.quantized() && x.dim() == 2 && x.size(1) == w.cols);
   const int64_t M = x.size(0), K = w.cols, R = w.rows;
   at::Tensor out = at::empty({M, R}, x.options());
   if (M == 0 || R == 0) return out;
+  // The int4 kernels take the stored +8 back out through x's sums (Σ x·q = Σ x·(q + 8) − 8·Σ x),
+  // so an inf in x would give inf − inf = NaN where x·wᵀ has ±inf. Such x (a model that has
+  // diverged) takes the reference loop, which dequantizes each weight row first.
+  if (w.format == WeightFormat::kInt4 && holds_inf(x)) isa = CpuIsa::kPortable;
   if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == K) {
     run_gemv(x.const_data_ptr<float>(), M, w, isa, out.mutable_data_ptr<float>());
   } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && isa == CpuIsa::kAvx512Bf16 &&
-             w.format == WeightFormat::kInt4) {
+             (w.format == WeightFormat::kInt4 || (w.format == WeightFormat::kFp8 && cpu_has_avx512_vbmi()))) {
     AlignedFloats of(M * R);  // x as it is: vdpbf16ps on bf16 pairs (quant_gemv_internal.h)
-    qgemv::gemv_int4_bf16(static_cast<const uint16_t*>(x.const_data_ptr()), x.stride(0), M, w, of.data());
+    const uint16_t* xb = static_cast<const uint16_t*>(x.const_data_ptr());
+    if (w.format == WeightFormat::kInt4) {
+      const bool vnni = K % 128 == 0 && cpu_has_avx512_vnni() && qgemv::gemv_int4_vnni(xb, x.stride(0), M, w, of.data());
+      if (!vnni) qgemv::gemv_int4_bf16(xb, x.stride(0), M, w, of.data());
+    } else {
+      qgemv::gemv_fp8_bf16(xb, x.stride(0), M, w, of.data());
+    }
     float_rows_to_bf16(of.data(), R, static_cast<uint16_t*>(out.mutable_data_ptr()), R, M, R, isa);
   } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1) {
     // Converted and written back by convert_rows.h's kernels rather than at::Tensor::to: a
@@ -449,6 +482,20 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
     out.copy_(of);
   }
   return out;
+}
+
+std::tuple<at::Tensor, bool> quant_gemv_int4_vnni(const at::Tensor& x, const WeightMatrix& w) {
+  TORCH_CHECK(w.format == WeightFormat::kInt4 && w.cols % 128 == 0,
+              "quant_gemv_int4_vnni: int4 weights of whole 128-column steps expected");
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && x.dim() == 2 && x.size(1) == w.cols,
+              "quant_gemv_int4_vnni: x must be bfloat16 [M, ", w.cols, "]");
+  parse_cpu_isa("avx512", "quant_gemv_int4_vnni");  // raises on a CPU without AVX-512
+  TORCH_CHECK(cpu_has_avx512_vnni(), "quant_gemv_int4_vnni: this CPU has no AVX512-VNNI");
+  const at::Tensor xc = x.contiguous();
+  at::Tensor out = at::zeros({x.size(0), w.rows}, x.options().dtype(at::kFloat));
+  const bool ran = x.size(0) == 0 || qgemv::gemv_int4_vnni(static_cast<const uint16_t*>(xc.const_data_ptr()), w.cols,
+                                                           x.size(0), w, out.mutable_data_ptr<float>());
+  return {out, ran};
 }
 
 std::tuple<at::Tensor, bool> quant_gemv_int16_avx2(const at::Tensor& x, const WeightMatrix& w) {

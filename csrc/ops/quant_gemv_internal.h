@@ -314,5 +314,17 @@ bool gemv_int16_avx2(const float* x, int64_t M, const WeightMatrix& w, float* ou
 // products, float32 sums), each group's sum times its scale; out [M, R] float32.
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
 
+// out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an fp8 weight, on AVX512-BF16 with
+// AVX512-VBMI (quant_gemv_fp8_bf16.cpp): each code looked up as its exact bf16 value,
+// multiplied with x by vdpbf16ps (x reordered once per call to the lookups' order; exact
+// products, float32 sums), each 128-column block's sum times its scale; out [M, R] float32.
+void gemv_fp8_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
+
+// out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an int4 weight of whole 128-column steps,
+// on AVX512-VNNI (quant_gemv_int4_vnni.cpp): x as 16-bit block floating point per 32 columns,
+// vpdpwssd on the nibbles, each sum lane scaled once; out [M, R] float32. False, out untouched,
+// where x holds a NaN, an inf or a group too small for its exponents: then gemv_int4_bf16 runs.
+bool gemv_int4_vnni(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
+
 }  // namespace qgemv
 }  // namespace kt

@@ -140,6 +140,8 @@ TORCH_LIBRARY(kt, m) {
   // The avx2 integer-dot-product decode kernel alone (float32 x holding bf16 values): its float32
   // output and whether it ran (quant_gemv.h).
   m.def("_quant_gemv_int16(Tensor x, Tensor weight, Tensor scale) -> (Tensor, bool)");
+  // The avx512_bf16 path's VNNI decode kernel for bf16 x on int4 weights alone: the same.
+  m.def("_quant_gemv_int4_vnni(Tensor x, Tensor weight, Tensor scale) -> (Tensor, bool)");
   m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");
   m.def("_quant_mm_nn(Tensor d, Tensor weight, Tensor scale, Tensor? addend) -> Tensor");
   // Backward's decode-sized d·w [+ addend] on bf16 or quantized weights on a path
