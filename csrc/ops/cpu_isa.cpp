@@ -94,22 +94,21 @@ bool onednn_cap_excludes_amx() {
   return !cap.empty() && cap != "ALL" && cap.find("AMX") == std::string::npos;
 }
 
-bool cpu_has_avx512_vbmi() {
+// The test build that emulates AVX-512 (x86_intrinsics.h) offers every extension its kernels use.
 #ifdef KT_OPS_EMULATE_AVX512
-  return true;
+#define KT_CPU_HAS(feature) true
 #else
-  static const bool has = __builtin_cpu_supports("avx512vbmi");
-  return has;
+#define KT_CPU_HAS(feature) __builtin_cpu_supports(feature)
 #endif
+
+bool cpu_has_avx512_vbmi() {
+  static const bool has = KT_CPU_HAS("avx512vbmi");
+  return has;
 }
 
 bool cpu_has_avx512_vnni() {
-#ifdef KT_OPS_EMULATE_AVX512
-  return true;
-#else
-  static const bool has = __builtin_cpu_supports("avx512vnni");
+  static const bool has = KT_CPU_HAS("avx512vnni");
   return has;
-#endif
 }
 
 CpuIsa best_cpu_isa() {

@@ -128,19 +128,6 @@ KT_TARGET_AVX512 inline void int4_group(const float* x, int64_t K, const uint8_t
   KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm512_fmadd_ps(sv, _mm512_add_ps(part[m][0], part[m][1]), total[m][J]);
 }
 
-template <bool Bf16>
-KT_TARGET_AVX512 inline const float* row_scales(const void* scales, int64_t s0, int64_t groups, float* buffer) {
-  if constexpr (!Bf16) {
-    return static_cast<const float*>(scales) + s0;
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16) _mm512_storeu_ps(buffer + g, simd::load16_bf16(src + g));
-    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
-    return buffer;
-  }
-}
-
 template <int M, int G, bool Bf16>
 KT_TARGET_AVX512 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w,
                                        float* scale_buffer, float* out) {
@@ -152,7 +139,7 @@ KT_TARGET_AVX512 void gemv_int4_groups(const float* x, const float* neg_sums, co
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
+    const float* s = row_scales16<Bf16>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t gi = 0;
@@ -263,20 +250,6 @@ KT_TARGET_AVX512_BF16 inline void int4_bf16_step32(const uint16_t* x, int64_t ld
   }
 }
 
-// The scales of a 128-column step's 16 sum lanes (lane i: columns 8i .. 8i+7): four groups of
-// 32, two of 64 or one of 128.
-template <int G>
-KT_TARGET_AVX512_BF16 inline __m512 step_scales(const float* s, int64_t c) {
-  if constexpr (G == 32) {
-    alignas(64) static constexpr int32_t kQuads[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
-    return _mm512_permutexvar_ps(_mm512_load_si512(kQuads), _mm512_castps128_ps512(_mm_loadu_ps(s + c / 32)));
-  } else if constexpr (G == 64) {
-    return _mm512_insertf32x8(_mm512_set1_ps(s[c / 64]), _mm256_set1_ps(s[c / 64 + 1]), 1);
-  } else {
-    return _mm512_set1_ps(s[c / G]);
-  }
-}
-
 // Step b (columns 128b ..) of a row into chain i of every x row's total; the same bytes of
 // row_ahead (when not null) prefetched.
 template <int M, int C, int G>
@@ -293,7 +266,7 @@ KT_TARGET_AVX512_BF16 inline void int4_bf16_step128(const uint16_t* xp, const fl
       (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 4), nibble, bias, kMaskOr),
       (__m512bh)_mm512_ternarylogic_epi32(_mm512_srli_epi16(v, 8), nibble, bias, kMaskOr),
       (__m512bh)_mm512_or_si512(_mm512_srli_epi16(v, 12), bias)};
-  const __m512 sv = step_scales<G>(s, c);
+  const __m512 sv = step_lane_scales<G>(s, c);
   KT_UNROLL for (int m = 0; m < M; ++m) {
     const uint16_t* xb = xp + (m * steps + b) * kInt4Step;
     __m512 part = _mm512_dpbf16_ps(_mm512_setzero_ps(), w[0], (__m512bh)_mm512_loadu_si512(xb));
@@ -319,7 +292,7 @@ KT_TARGET_AVX512_BF16 void gemv_int4_bf16_rows(const uint16_t* x, int64_t ldx, c
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales<Bf16Scales>(scales, r * groups, groups, scale_buffer);
+    const float* s = row_scales16<Bf16Scales>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t b = 0;

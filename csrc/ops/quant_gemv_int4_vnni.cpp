@@ -90,20 +90,6 @@ KT_TARGET_AVX512_VNNI bool block_float_x(const uint16_t* x, int64_t ldx, int64_t
   return true;
 }
 
-// The scales of a step's 16 sum lanes (lane i: columns 8i .. 8i+7): four groups of 32, two of
-// 64 or one of 128 (step_scales of quant_gemv_avx512.cpp).
-template <int G>
-KT_TARGET_AVX512_VNNI inline __m512 lane_scales(const float* s, int64_t c) {
-  if constexpr (G == 32) {
-    alignas(64) static constexpr int32_t kQuads[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
-    return _mm512_permutexvar_ps(_mm512_load_si512(kQuads), _mm512_castps128_ps512(_mm_loadu_ps(s + c / 32)));
-  } else if constexpr (G == 64) {
-    return _mm512_insertf32x8(_mm512_set1_ps(s[c / 64]), _mm256_set1_ps(s[c / 64 + 1]), 1);
-  } else {
-    return _mm512_set1_ps(s[c / G]);
-  }
-}
-
 // Step b of a row into chain i of every x row's total.
 template <int M, int C, int G>
 KT_TARGET_AVX512_VNNI inline void step(const VnniX& vx, const uint8_t* row, const uint8_t* row_ahead, int64_t b,
@@ -114,7 +100,7 @@ KT_TARGET_AVX512_VNNI inline void step(const VnniX& vx, const uint8_t* row, cons
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
                 w2 = _mm512_and_si512(_mm512_srli_epi16(v, 8), nibble), w3 = _mm512_srli_epi16(v, 12);
-  const __m512 sv = lane_scales<G>(s, c);
+  const __m512 sv = step_lane_scales<G>(s, c);
   KT_UNROLL for (int m = 0; m < M; ++m) {
     const int64_t at = m * vx.steps + b;
     const int16_t* xs = vx.values.data() + at * kStep;
@@ -128,19 +114,6 @@ KT_TARGET_AVX512_VNNI inline void step(const VnniX& vx, const uint8_t* row, cons
   }
 }
 
-template <bool Bf16>
-KT_TARGET_AVX512_VNNI inline const float* row_scales(const void* scales, int64_t s0, int64_t groups, float* buffer) {
-  if constexpr (!Bf16) {
-    return static_cast<const float*>(scales) + s0;
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16) _mm512_storeu_ps(buffer + g, simd::load16_bf16(src + g));
-    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
-    return buffer;
-  }
-}
-
 template <int M, int G, bool Bf16Scales>
 KT_TARGET_AVX512_VNNI void int4_vnni_rows(const VnniX& vx, const WeightMatrix& w, float* scale_buffer, float* out) {
   constexpr int C = kTotalChains<M>;
@@ -151,7 +124,7 @@ KT_TARGET_AVX512_VNNI void int4_vnni_rows(const VnniX& vx, const WeightMatrix& w
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales<Bf16Scales>(scales, r * groups, groups, scale_buffer);
+    const float* s = row_scales16<Bf16Scales>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t b = 0;

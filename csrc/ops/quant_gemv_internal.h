@@ -86,6 +86,35 @@ KT_TARGET_AVX2 inline const float* row_scales(const void* scales, int64_t s0, in
   }
 }
 
+// row_scales for the AVX-512 int4 kernels (bf16 scales converted 16 at a time).
+template <bool Bf16>
+KT_TARGET_AVX512 inline const float* row_scales16(const void* scales, int64_t s0, int64_t groups, float* buffer) {
+  if constexpr (!Bf16) {
+    return static_cast<const float*>(scales) + s0;
+  } else {
+    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
+    int64_t g = 0;
+    for (; g + 16 <= groups; g += 16) _mm512_storeu_ps(buffer + g, simd::load16_bf16(src + g));
+    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
+    return buffer;
+  }
+}
+
+// The group scales of a 128-column step's 16 sum lanes, lane i holding columns 8i .. 8i+7 (the
+// AVX-512 int4 kernels on bf16 x): four groups of 32, two of 64 or one of 128; s: the row's
+// scales, c: the step's first column.
+template <int G>
+KT_TARGET_AVX512 inline __m512 step_lane_scales(const float* s, int64_t c) {
+  if constexpr (G == 32) {
+    alignas(64) static constexpr int32_t kQuads[16] = {0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3};
+    return _mm512_permutexvar_ps(_mm512_load_si512(kQuads), _mm512_castps128_ps512(_mm_loadu_ps(s + c / 32)));
+  } else if constexpr (G == 64) {
+    return _mm512_insertf32x8(_mm512_set1_ps(s[c / 64]), _mm256_set1_ps(s[c / 64 + 1]), 1);
+  } else {
+    return _mm512_set1_ps(s[c / G]);
+  }
+}
+
 // xs[m, c] = x[m, c] · scale[c / 128] · 2^120 for the M rows of x. Returns whether every
 // |x · scale| < 2^7 (false for a NaN or inf in x): then xs is finite, and so is every partial
 // sum of the fp8 bit-pattern kernels (|x · scale · w| < 2^7 · 448 per term).
