@@ -210,23 +210,16 @@ constexpr float kInt4Bias = 136.0f;  // 128 (the decoded form) + 8 (the stored o
 // from vdpbf16ps against ones, so they see x as the products do (denormals flushed).
 KT_TARGET_AVX512_BF16 void bf16_x_mod4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp,
                                        float* sums) {
-  alignas(64) uint16_t even_idx[32], odd_idx[32];
-  for (int i = 0; i < 32; ++i) even_idx[i] = uint16_t(2 * i), odd_idx[i] = uint16_t(2 * i + 1);
-  const __m512i ie = _mm512_load_si512(even_idx), io = _mm512_load_si512(odd_idx);
   const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
   const int64_t steps = K / kInt4Step;
   for (int64_t m = 0; m < M; ++m) {
     for (int64_t b = 0; b < steps; ++b) {
       const uint16_t* src = x + m * ldx + b * kInt4Step;
       uint16_t* dst = xp + (m * steps + b) * kInt4Step;
-      const __m512i a0 = _mm512_loadu_si512(src), a1 = _mm512_loadu_si512(src + 32);
-      const __m512i a2 = _mm512_loadu_si512(src + 64), a3 = _mm512_loadu_si512(src + 96);
-      const __m512i even_lo = _mm512_permutex2var_epi16(a0, ie, a1), odd_lo = _mm512_permutex2var_epi16(a0, io, a1);
-      const __m512i even_hi = _mm512_permutex2var_epi16(a2, ie, a3), odd_hi = _mm512_permutex2var_epi16(a2, io, a3);
-      const __m512i cls[4] = {_mm512_permutex2var_epi16(even_lo, ie, even_hi),   // columns 4j
-                              _mm512_permutex2var_epi16(odd_lo, ie, odd_hi),     // 4j + 1
-                              _mm512_permutex2var_epi16(even_lo, io, even_hi),   // 4j + 2
-                              _mm512_permutex2var_epi16(odd_lo, io, odd_hi)};    // 4j + 3
+      const __m512i words[4] = {_mm512_loadu_si512(src), _mm512_loadu_si512(src + 32), _mm512_loadu_si512(src + 64),
+                                _mm512_loadu_si512(src + 96)};
+      __m512i cls[4];
+      columns_mod4(words, cls);
       __m512 sum = _mm512_setzero_ps();
       for (int k = 0; k < 4; ++k) {
         _mm512_storeu_si512(dst + 32 * k, cls[k]);

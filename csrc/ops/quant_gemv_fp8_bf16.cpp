@@ -77,8 +77,9 @@ KT_TARGET_AVX512_BF16_VBMI void reorder_x(const uint16_t* x, int64_t ldx, int64_
   }
 }
 
-// The 64 codes at p (`bytes` of them, fewer on a row's last partial step) as bf16 words: low =
-// the step's columns 0-7, 16-23, .. of each lane pair, high = 8-15, 24-31, ...
+// The 64 codes at p (Partial: those partial_mask selects, on a row's last partial step; zero for
+// the rest) as bf16 words: low = the step's columns 0-7, 16-23, 32-39, 48-55, high = 8-15,
+// 24-31, 40-47, 56-63.
 template <bool Partial>
 KT_TARGET_AVX512_BF16_VBMI inline void decode_step(const uint8_t* p, __mmask64 partial_mask, const __m512i (&tables)[4],
                                                    __m512bh& low, __m512bh& high) {

@@ -38,10 +38,6 @@ namespace {
 // 32-bit lane's sum within 2^25.
 constexpr int64_t kInt8XGroup = 64;
 
-// Groups whose largest |x| is below 2^-101 (exponents e below -115) are left to the
-// float kernels: 2^-e must stay a normal float32.
-constexpr int kMinExponent = -115;
-
 // x [M, cols] (float32 values that are bf16 values) as block floating point over groups of G
 // columns. Int4 layout: each 32 columns stored as their 16 even columns, then their 16 odd ones
 // (a byte's low nibble is the even column, its high nibble the odd one), and the group sums
@@ -60,7 +56,7 @@ KT_TARGET_AVX2 inline __m256i round_to_int(const float* p, __m256 scale) {
 }
 
 // Fills bx from x (row stride ldx). False when a value is not finite or a group's largest |x|
-// is too small for kMinExponent.
+// is too small for block_float_exponent.
 template <int G, bool Int4Layout>
 KT_TARGET_AVX2 bool block_float_x(const float* x, int64_t ldx, int64_t M, BlockFloatX& bx) {
   static_assert(G % 32 == 0, "groups are whole 32-column steps");
@@ -81,10 +77,8 @@ KT_TARGET_AVX2 bool block_float_x(const float* x, int64_t ldx, int64_t M, BlockF
       l = _mm_max_ps(l, _mm_movehl_ps(l, l));
       l = _mm_max_ss(l, _mm_shuffle_ps(l, l, 1));
       const float most = _mm_cvtss_f32(l);
-      int exponent = 0;  // most = f · 2^exponent, f in [0.5, 1)
-      std::frexp(most, &exponent);
-      const int e = most == 0.f ? 0 : exponent - 15;
-      if (e < kMinExponent) return false;
+      int e;
+      if (!block_float_exponent(most, e)) return false;
       bx.pow2.data()[m * bx.groups + g] = std::ldexp(1.f, e);
       const __m256 scale = _mm256_set1_ps(std::ldexp(1.f, -e));
       int16_t* out = bx.values.data() + m * bx.cols + g * G;

@@ -1,7 +1,8 @@
 // Decode GEMV of bf16 activations on int4 weights through AVX512-VNNI integer dot products
 // (quant_gemv.h), on the avx512_bf16 path. The bf16 kernel (quant_gemv_avx512.cpp) multiplies
-// with vdpbf16ps, which one Intel Xeon with AMX ran at one per two cycles, against two a cycle
-// for vpdpwssd; so, as the avx2 path's integer kernel (quant_gemv_int16.cpp) does:
+// with vdpbf16ps, of which one thread of an Intel Xeon with AMX ran 1.6-1.8 G a second against
+// 5.0 G vpdpwssd (benchmarks/RESULTS.md); so, as the avx2 path's integer kernel
+// (quant_gemv_int16.cpp) does:
 //   x, per row and group of 32 columns, as 16-bit block floating point: x16 = x · 2^-e with the
 //   group's largest |x| in [2^14, 2^15) (a bf16 value within 2^7 of it is an integer there,
 //   exactly; a smaller one is rounded to a multiple of 2^e, by at most 2^-15 of the group's
@@ -14,8 +15,9 @@
 // largest |x| is below 2^-101, is refused (gemv_int4_vnni returns false) and the bf16 kernel
 // runs instead.
 //
-// Tested against float64 on every byte value within the rounding bound, against the bf16
-// kernel, for its refusals, and that quant_gemv_nt takes it (tests/test_quant_gemv_int4_vnni.py).
+// Tested against float64 on every byte value, against x rounded the same way in float64 and
+// within the rounding bound, for its refusals, and that quant_gemv_nt takes it
+// (tests/test_quant_gemv_int4_vnni.py).
 #include <cmath>
 #include <memory>
 #include <vector>
@@ -28,7 +30,6 @@ namespace {
 
 constexpr int64_t kStep = 128;   // columns per step: one 64-byte load of nibbles
 constexpr int64_t kXGroup = 32;  // columns per exponent of x (4 sum lanes)
-constexpr int kMinExponent = -115;  // 2^e must stay a normal float32 (quant_gemv_int16.cpp)
 
 // x rows as the kernel reads them, per row and step: the 128 x16 values as four classes of 32
 // (columns 4j + k for k = 0..3), -8 times each sum lane's Σ x16, and each lane's 2^e.
@@ -41,11 +42,8 @@ struct VnniX {
 };
 
 // Fills vx from M rows of bf16 x (rows ldx apart). False for a NaN or an inf, or a group whose
-// largest |x| is too small for kMinExponent.
+// largest |x| is too small for block_float_exponent.
 KT_TARGET_AVX512_VNNI bool block_float_x(const uint16_t* x, int64_t ldx, int64_t M, VnniX& vx) {
-  alignas(64) uint16_t even_idx[32], odd_idx[32];
-  for (int i = 0; i < 32; ++i) even_idx[i] = uint16_t(2 * i), odd_idx[i] = uint16_t(2 * i + 1);
-  const __m512i ie = _mm512_load_si512(even_idx), io = _mm512_load_si512(odd_idx);
   const __m512 magnitude = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   const __m512 inf = _mm512_set1_ps(INFINITY);
   const __m512i ones = _mm512_set1_epi16(1);
@@ -61,23 +59,16 @@ KT_TARGET_AVX512_VNNI bool block_float_x(const uint16_t* x, int64_t ldx, int64_t
         if ((_mm512_cmp_ps_mask(alo, inf, _CMP_NLT_UQ) | _mm512_cmp_ps_mask(ahi, inf, _CMP_NLT_UQ)) != 0) return false;
         const __m512 a = _mm512_max_ps(alo, ahi);
         const float most = _mm512_reduce_max_ps(a);
-        int exponent = 0;  // most = f · 2^exponent, f in [0.5, 1)
-        std::frexp(most, &exponent);
-        const int e = most == 0.f ? 0 : exponent - 15;
-        if (e < kMinExponent) return false;
+        int e;
+        if (!block_float_exponent(most, e)) return false;
         const __m512 scale = _mm512_set1_ps(std::ldexp(1.f, -e));
         const __m256i l16 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(lo, scale)));
         const __m256i h16 = _mm512_cvtsepi32_epi16(_mm512_cvtps_epi32(_mm512_mul_ps(hi, scale)));
         words[g] = _mm512_inserti64x4(_mm512_castsi256_si512(l16), h16, 1);
         _mm_storeu_ps(vx.pow2.data() + at * 16 + 4 * g, _mm_set1_ps(std::ldexp(1.f, e)));
       }
-      // The four classes mod 4 (as bf16_x_mod4 of quant_gemv_avx512.cpp).
-      const __m512i even_lo = _mm512_permutex2var_epi16(words[0], ie, words[1]);
-      const __m512i odd_lo = _mm512_permutex2var_epi16(words[0], io, words[1]);
-      const __m512i even_hi = _mm512_permutex2var_epi16(words[2], ie, words[3]);
-      const __m512i odd_hi = _mm512_permutex2var_epi16(words[2], io, words[3]);
-      const __m512i cls[4] = {_mm512_permutex2var_epi16(even_lo, ie, even_hi), _mm512_permutex2var_epi16(odd_lo, ie, odd_hi),
-                              _mm512_permutex2var_epi16(even_lo, io, even_hi), _mm512_permutex2var_epi16(odd_lo, io, odd_hi)};
+      __m512i cls[4];
+      columns_mod4(words, cls);
       __m512i sum = _mm512_setzero_si512();
       int16_t* dst = vx.values.data() + at * kStep;
       for (int k = 0; k < 4; ++k) {

@@ -7,6 +7,7 @@
 #include <ATen/ATen.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstdlib>
 #include <type_traits>
@@ -113,6 +114,38 @@ KT_TARGET_AVX512 inline __m512 step_lane_scales(const float* s, int64_t c) {
   } else {
     return _mm512_set1_ps(s[c / G]);
   }
+}
+
+// 16-bit block floating point for the integer kernels (quant_gemv_int16.cpp,
+// quant_gemv_int4_vnni.cpp): a group whose largest |x| is `most` is held as x16 = x · 2^-e, the
+// largest in [2^14, 2^15). Sets e; false for a group whose largest |x| is below 2^-101
+// (e < -115), left to the other kernels since 2^-e must stay a normal float32.
+inline bool block_float_exponent(float most, int& e) {
+  int exponent = 0;  // most = f · 2^exponent, f in [0.5, 1)
+  std::frexp(most, &exponent);
+  e = most == 0.f ? 0 : exponent - 15;
+  return e >= -115;
+}
+
+// 128 columns of 16-bit values (words: 4 vectors of 32, in column order) as their four classes
+// mod 4: cls[k] holds columns 4j + k, j = 0 .. 31 (the int4 kernels on bf16 x, whose 16-bit
+// words hold 4 nibbles each).
+KT_TARGET_AVX512 inline void columns_mod4(const __m512i (&words)[4], __m512i (&cls)[4]) {
+  alignas(64) static constexpr uint16_t kEven[32] = {0,  2,  4,  6,  8,  10, 12, 14, 16, 18, 20,
+                                                     22, 24, 26, 28, 30, 32, 34, 36, 38, 40, 42,
+                                                     44, 46, 48, 50, 52, 54, 56, 58, 60, 62};
+  alignas(64) static constexpr uint16_t kOdd[32] = {1,  3,  5,  7,  9,  11, 13, 15, 17, 19, 21,
+                                                    23, 25, 27, 29, 31, 33, 35, 37, 39, 41, 43,
+                                                    45, 47, 49, 51, 53, 55, 57, 59, 61, 63};
+  const __m512i ie = _mm512_load_si512(kEven), io = _mm512_load_si512(kOdd);
+  const __m512i even_lo = _mm512_permutex2var_epi16(words[0], ie, words[1]);
+  const __m512i odd_lo = _mm512_permutex2var_epi16(words[0], io, words[1]);
+  const __m512i even_hi = _mm512_permutex2var_epi16(words[2], ie, words[3]);
+  const __m512i odd_hi = _mm512_permutex2var_epi16(words[2], io, words[3]);
+  cls[0] = _mm512_permutex2var_epi16(even_lo, ie, even_hi);  // columns 4j
+  cls[1] = _mm512_permutex2var_epi16(odd_lo, ie, odd_hi);    // 4j + 1
+  cls[2] = _mm512_permutex2var_epi16(even_lo, io, even_hi);  // 4j + 2
+  cls[3] = _mm512_permutex2var_epi16(odd_lo, io, odd_hi);    // 4j + 3
 }
 
 // xs[m, c] = x[m, c] · scale[c / 128] · 2^120 for the M rows of x. Returns whether every
