@@ -86,19 +86,37 @@ def test_avx512_int4_vnni_gemv_rounds_small_values_within_its_bound(group, cols)
     assert (err > float32_slack(x, w)).any()  # some outputs did take a rounding
 
 
-@pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e-32], ids=["nan", "inf", "tiny-group"])
-def test_avx512_int4_vnni_gemv_refuses_what_it_cannot_hold_and_the_others_answer(bad):
-    """A NaN or inf in x, or a 32-column group whose largest |x| is below 2^-101 (its 2^-e would
-    leave float32's normal range): the kernel refuses the call, and quant_gemv_nt's other kernels
-    give the result (the bf16 one; the reference loop for an inf): non-finite exactly where the
-    product is, the rest against float64."""
+BAD = pytest.mark.parametrize("bad", [float("nan"), float("inf"), 1e-32], ids=["nan", "inf", "tiny-group"])
+NEEDS_BF16_PATH = pytest.mark.skipif("avx512_bf16" not in supported_cpu_isas(), reason="this CPU cannot run avx512_bf16")
+
+
+def x_with(bad):
+    """An int4 weight and bf16 x [3, 512] whose row 1 holds a NaN or an inf, or whose first
+    32-column group there has its largest |x| below 2^-101 (its 2^-e would leave float32's
+    normal range)."""
     data, scale = raw_weight("int4", 32, 40, 512, f32, seed=26)
     x = randn(3, 512, seed=27).to(bf16)
     if bad == 1e-32:
         x[1, :32] = bad
     else:
         x[1, 7] = bad
+    return x, data, scale
+
+
+@BAD
+def test_avx512_int4_vnni_gemv_refuses_what_it_cannot_hold(bad):
+    x, data, scale = x_with(bad)
     assert not vnni_gemv(x, data, scale)[1]
+    assert vnni_gemv(x[[0, 2]], data, scale)[1]  # the same x without that row: taken
+
+
+@NEEDS_BF16_PATH
+@BAD
+def test_avx512_bf16_quant_gemv_answers_what_the_vnni_kernel_refuses(bad):
+    """After the kernel's refusal, quant_gemv_nt's other kernels give the result (the bf16 one;
+    the reference loop for an inf): non-finite exactly where the product is, the rest against
+    float64."""
+    x, data, scale = x_with(bad)
     got = torch.ops.kt._quant_gemv_nt(x, data, scale, "avx512_bf16")
     want = x.double() @ python_dequantize(data, scale).double().t()
     assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got.isinf(), want.isinf())
@@ -120,7 +138,7 @@ def test_avx512_int4_vnni_gemv_takes_whole_128_column_steps_only():
         vnni_gemv(torch.zeros(1, 544, dtype=bf16), data, scale)
 
 
-@pytest.mark.skipif("avx512_bf16" not in supported_cpu_isas(), reason="this CPU cannot run avx512_bf16")
+@NEEDS_BF16_PATH
 @pytest.mark.parametrize("group,cols", CASES, ids=CASE_IDS)
 @pytest.mark.parametrize("rows", [1, 4, 6])
 def test_avx512_bf16_quant_gemv_takes_the_vnni_kernel_for_bf16_x_on_int4(group, cols, rows):
