@@ -2,9 +2,10 @@
 called so that a failure is reported to the other ranks of a distributed job before it
 is raised here (see kt_ops/faults.py). The wrapper costs a few microseconds a call.
 
-Each call is a profiler range, ``kt.experts.forward`` / ``kt.experts.backward`` (beside the
-collectives' ``kt.gather_to_owner`` / ``kt.scatter_from_owner`` ranges), so a trace shows where
-a step's time goes, in eager and compiled code alike.
+While a profiler runs, each call is a profiler range, ``kt.experts.forward`` /
+``kt.experts.backward`` (beside the collectives' ``kt.gather_to_owner`` /
+``kt.scatter_from_owner`` ranges), so a trace shows where a step's time goes, in eager and
+compiled code alike; without a profiler there is no range (kt_ops/profiler_ranges.py says why).
 
 ``calls`` counts the executions of each kernel in this process: it is read from outside
 compiled code (e.g. to check that checkpointing does not re-run the CPU experts).
@@ -14,6 +15,7 @@ import collections
 import torch
 
 from kt_ops import faults
+from kt_ops.profiler_ranges import profiler_range
 
 calls: collections.Counter = collections.Counter()
 
@@ -25,7 +27,7 @@ def _reporting_failures(kernel, where):
         calls[where] += 1
         try:
             faults.maybe_inject(where)
-            with torch.profiler.record_function(range_name):
+            with profiler_range(range_name):
                 return kernel(*args)
         except Exception as error:
             faults.report_failure(error)

@@ -31,6 +31,7 @@ from torch import Tensor
 from torch.fx.node import has_side_effect
 
 from kt_ops import faults
+from kt_ops.profiler_ranges import profiler_range
 
 # Header layout: one int64 row per rank.
 _OP, _TAG, _ROWS, _WIDTH, _DTYPE, _NUM_TENSORS, _SIGNATURE = range(7)
@@ -154,7 +155,7 @@ def _gather_impl(tensors, rank, world_size, owner_rank, tag, group_name):
     _refuse_recompute("gather_to_owner")
     rows = tensors[0].shape[0] if len(tensors) and tensors[0].dim() > 0 else -1
     group = _start("gather_to_owner", rank, world_size, owner_rank, group_name, tensors, rows)
-    with torch.profiler.record_function("kt.gather_to_owner"):
+    with profiler_range("kt.gather_to_owner"):
         headers = _exchange_headers("gather_to_owner", group, tag, rows, tensors)
         lengths = headers[:, _ROWS].clone()
         counts = lengths.tolist()
@@ -168,7 +169,7 @@ def _gather_sized_impl(tensors, lengths, total_rows, rank, world_size, owner_ran
     group = _start(op, rank, world_size, owner_rank, group_name, tensors, counts[rank])
     if total_rows != (sum(counts) if rank == owner_rank else 0):
         raise ValueError(f"kt.{op}: total_rows={total_rows} on rank {rank} does not match lengths {counts}")
-    with torch.profiler.record_function(f"kt.{op}"):
+    with profiler_range(f"kt.{op}"):
         _exchange_headers(op, group, tag, counts[rank], tensors)
         return [_gather_rows(t, counts, rank, owner_rank, group) for t in tensors]
 
@@ -180,7 +181,7 @@ def _scatter_impl(tensors, lengths, local_rows, rank, world_size, owner_rank, ta
                    sum(counts) if rank == owner_rank else 0)
     if local_rows != counts[rank]:
         raise ValueError(f"kt.{op}: local_rows={local_rows} on rank {rank} does not match lengths {counts}")
-    with torch.profiler.record_function(f"kt.{op}"):
+    with profiler_range(f"kt.{op}"):
         _exchange_headers(op, group, tag, local_rows, tensors)
         return [_scatter_rows(t, counts, rank, owner_rank, group) for t in tensors]
 

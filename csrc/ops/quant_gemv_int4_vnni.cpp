@@ -86,7 +86,7 @@ template <int M, int C, int G>
 KT_TARGET_AVX512_VNNI inline void step(const VnniX& vx, const uint8_t* row, const uint8_t* row_ahead, int64_t b,
                                        const float* s, int i, __m512 (&total)[M][C]) {
   const int64_t c = b * kStep;
-  if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, c / 2 + 64);
+  if (row_ahead != nullptr) prefetch_into_l2(row_ahead + c / 2);
   const __m512i v = _mm512_loadu_si512(row + c / 2);
   const __m512i nibble = _mm512_set1_epi16(0x000f);
   const __m512i w0 = _mm512_and_si512(v, nibble), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), nibble),
@@ -111,7 +111,9 @@ KT_TARGET_AVX512_VNNI void int4_vnni_rows(const VnniX& vx, const WeightMatrix& w
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G, steps = vx.steps;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
-  const int64_t ahead = prefetch_ahead_rows(ld, 1);
+  // 4 KB ahead into L2, as the byte GEMVs (kBytePrefetchAheadBytes): on the Intel Xeon with AMX
+  // that made int4 decode 4-6% faster than 2 KB ahead into L1 (benchmarks/RESULTS.md).
+  const int64_t ahead = prefetch_ahead_rows(ld, 1, kBytePrefetchAheadBytes);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
