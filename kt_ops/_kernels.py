@@ -1,6 +1,8 @@
 """CPU kernels of kt.moe_forward / kt.moe_backward: the C++ kernels (kt._moe_*_cpu),
 called so that a failure is reported to the other ranks of a distributed job before it
-is raised here (see kt_ops/faults.py). The wrapper costs a few microseconds a call.
+is raised here (see kt_ops/faults.py). The dispatcher's crossing into this Python wrapper
+cost about 75 µs a kt.moe decode call on an Intel Xeon (``python -m benchmarks.call_overhead``,
+benchmarks/RESULTS.md): moving the failure reporting into the C++ kernel would save it.
 
 While a profiler runs, each call is a profiler range, ``kt.experts.forward`` /
 ``kt.experts.backward`` (beside the collectives' ``kt.gather_to_owner`` /

@@ -111,8 +111,7 @@ KT_TARGET_AVX512_VNNI void int4_vnni_rows(const VnniX& vx, const WeightMatrix& w
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G, steps = vx.steps;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const void* scales = w.scale.const_data_ptr();
-  // 4 KB ahead into L2, as the byte GEMVs (kBytePrefetchAheadBytes): on the Intel Xeon with AMX
-  // that made int4 decode 4-6% faster than 2 KB ahead into L1 (benchmarks/RESULTS.md).
+  // 4 KB ahead into L2, as the byte GEMVs (kBytePrefetchAheadBytes says why).
   const int64_t ahead = prefetch_ahead_rows(ld, 1, kBytePrefetchAheadBytes);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;

@@ -167,8 +167,8 @@ void fp8_fixups(const float* x, int64_t M, const WeightMatrix& w, const uint8_t*
 // row of out.
 void int8_tail_columns(const float* x, int64_t M, const WeightMatrix& w, int64_t first_column, float* out);
 
-// How far ahead of the rows being decoded the int4 GEMVs prefetch the weight stream (fp8 and
-// int8: kBytePrefetchAheadBytes below). On an Intel Xeon (Sapphire Rapids class, KVM) the
+// How far ahead of the rows being decoded the float int4 GEMVs prefetch the weight stream (fp8,
+// int8 and the int4 VNNI GEMV: kBytePrefetchAheadBytes below). On an Intel Xeon (Sapphire Rapids class, KVM) the
 // hardware prefetchers alone left a one-thread int4 GEMV reading 3.5 GB/s from memory (6.9 G
 // weights/s; 17 from cache); prefetching 2 KB ahead made it 15 (benchmarks.quant_gemv --rows 1;
 // 1 KB ahead: 14, 4-8 KB: 13-15). Zen 4's hardware prefetcher had followed the single row
@@ -180,7 +180,9 @@ constexpr int64_t kPrefetchAheadBytes = 2048;
 // and int8 at 17.1-17.2 where 2 KB into L1 had read 12.3-12.7 and 11.9-12.4 (AVX-512 kernels;
 // the AVX2 ones 14.3-14.7 / 13.4-15.9 -> 14.7 / 16.4). Into L2 at 2 KB alone read int8 at
 // 13.1-14.2; 4 KB into L1 alone at 12.6 (one run).
-// int4 keeps 2 KB: 4 KB took it from 19 to 18 G weights/s at 2 rows.
+// The float int4 kernels keep 2 KB into L1: 4 KB took one from 19 to 18 G weights/s at 2 rows.
+// The int4 VNNI kernel (quant_gemv_int4_vnni.cpp) takes 4 KB into L2: on the Intel Xeon with AMX
+// its decode got 4-6% faster than with 2 KB into L1 (benchmarks/RESULTS.md).
 constexpr int64_t kBytePrefetchAheadBytes = 4096;
 
 // The first row to prefetch while rows r.. are decoded: at least `pass` rows (the next pass)
