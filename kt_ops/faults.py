@@ -15,6 +15,7 @@ the ranks are no longer in step.
 """
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from typing import Optional
@@ -35,6 +36,7 @@ class _Channel:
         self.rank = rank
         self.world_size = world_size
         self.failure: Optional[str] = None  # set once a failure is seen: the group is poisoned
+        self.reported_here = False  # this rank reported a failure of its own
 
     def key(self, what: str) -> str:
         return f"{_KEY_PREFIX}/{self.group_name}/{what}"
@@ -43,6 +45,7 @@ class _Channel:
         if self.failure is not None:
             return
         self.failure = f"rank {self.rank} failed: {message}"
+        self.reported_here = True
         try:
             self.store.set(self.key(f"message/{self.rank}"), message)
             self.store.add(self.key("count"), 1)
@@ -67,6 +70,18 @@ class _Channel:
                 messages.append(f"rank {r} failed: {self.store.get(key).decode(errors='replace')}")
         self.failure = "; ".join(messages) or "another rank failed"
         return self.failure
+
+    def failure_of_others(self) -> Optional[str]:
+        """What the other ranks reported (read from the store now), or None."""
+        try:
+            if self.store.add(self.key("count"), 0) == 0:
+                return None
+            keys = [(r, self.key(f"message/{r}")) for r in range(self.world_size) if r != self.rank]
+            messages = [f"rank {r} failed: {self.store.get(k).decode(errors='replace')}"
+                        for r, k in keys if self.store.check([k])]
+        except Exception:  # noqa: BLE001  the store is gone with its host: nothing to read
+            return None
+        return "; ".join(messages) or None
 
 
 _channels: dict[str, _Channel] = {}
@@ -136,3 +151,54 @@ def maybe_inject(where: str) -> None:
     message = _injected.pop(where, None)
     if message is not None:
         raise RuntimeError(message)
+
+
+# ---- the whole job: a failure on one rank ends every rank ---------------------------------
+def _world_channel() -> Optional[_Channel]:
+    """The failure channel of the default process group, or None without one."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
+        return None
+    try:
+        return _channel(dist.group.WORLD)
+    except Exception:  # noqa: BLE001  no store to report through (a rank died with it)
+        return None
+
+
+@contextlib.contextmanager
+def fail_fast():
+    """Make an exception on this rank end the job on every rank within seconds.
+
+    On an exception inside the block (from any code: kt ops, the Trainer, data loading), this
+    rank reports it through the job's store (so kt collectives on the other ranks raise
+    :class:`RemoteRankFailure` with its message at their next poll), then aborts its process
+    groups: a rank blocked in any other collective with it (DDP's all-reduce, the Trainer's
+    all-gather) gets "connection closed" at once instead of waiting out the group's timeout.
+    The exception is then re-raised. If another rank had reported a failure first, and this
+    rank's own error is only its consequence, the error raised is a ``RemoteRankFailure``
+    carrying that rank's message (the original error chained to it).
+
+    Cleanup code after a failure must not enter a collective (a barrier would wait for ranks
+    still training). Does nothing in a single process.
+    """
+    try:
+        yield
+    except BaseException as error:
+        channel = _world_channel()
+        if channel is None:
+            raise
+        # The origin (a kt op here already reported, or a RemoteRankFailure names it), or a
+        # consequence of what another rank reported, or this rank's own failure to report.
+        origin_known = isinstance(error, RemoteRankFailure) or channel.reported_here
+        remote = None if origin_known else channel.failure_of_others()
+        if remote is not None and f"{type(error).__name__}: {error}" in remote:
+            remote = None  # the same error on both ranks (a check every rank makes): this rank's own
+        if remote is None and not origin_known:
+            report_failure(error)
+            channel.report(f"{type(error).__name__}: {error}")
+        try:
+            dist.distributed_c10d._abort_process_group()  # every group, the default one included
+        except Exception:  # noqa: BLE001  already gone: nothing left to release
+            pass
+        if remote is not None:
+            raise RemoteRankFailure(f"kt_ops: {remote}") from error
+        raise

@@ -59,7 +59,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import kt_ops
-from kt_ops import quantization
+from kt_ops import faults, quantization
 from kt_ops.cpu_isa import best_cpu_isa
 from kt_ops.finetune_trainer import RunResult, WindowDataset, train_with_trainer
 from kt_ops.tokenizer import ByteTokenizer
@@ -148,7 +148,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="write a Trainer checkpoint (with the expert adapter) every N steps into "
                         "--output-dir (0: none; default)")
     p.add_argument("--resume", default=None, metavar="CHECKPOINT|latest",
-                   help="resume from a Trainer checkpoint folder (or the latest in --output-dir)")
+                   help="resume from a Trainer checkpoint folder, or 'latest': the newest complete one in "
+                        "--output-dir (incomplete ones are skipped with a warning); the job must have the "
+                        "checkpoint's number of ranks")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "batch_size", "lora_rank"):
@@ -400,11 +402,17 @@ def run(argv=None) -> FinetuneResult:
     # (bf16). Set before the first parallel region, so that OpenMP's threads inherit it.
     torch.set_flush_denormal(True)
     try:
-        return _run(args, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
-    finally:
-        if dist.is_initialized():  # the Trainer's (accelerate's) group: leave together
-            dist.barrier()
+        # A failure on any rank ends the job on every rank (fail_fast aborts the process groups
+        # and tells the kt ops through the store); only a run that ended well on this rank
+        # waits for the others, so that no rank waits here for one still training.
+        with faults.fail_fast():
+            result = _run(args, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
+            if dist.is_initialized():  # the Trainer's (accelerate's) group: leave together
+                dist.barrier()
+        if dist.is_initialized():
             dist.destroy_process_group()
+        return result
+    finally:
         torch.set_flush_denormal(False)  # torch's default, for in-process callers (tests)
 
 
@@ -444,10 +452,9 @@ def _run(args, rank: int, world_size: int) -> FinetuneResult:
     if not args.no_checkpointing:
         enable_checkpointing(model, kt_ops.checkpoint_context_fn)
     dataset = WindowDataset(tokens, offsets, args.seq_len)
-    resume = True if args.resume == "latest" else args.resume
     kt_result = train_with_trainer(model, dataset, args, "kt_ops", output_dir=args.output_dir,
                                    compile_backend=None if args.backend == "none" else args.backend,
-                                   world_size=world_size, resume=resume)
+                                   world_size=world_size, resume=args.resume)
 
     eager_result, comparison, hf_impl = None, None, None
     if args.compare_eager:
@@ -515,6 +522,10 @@ def _versions() -> dict:
 
 def _print_report(s: dict) -> None:
     kt = s["kt_ops"]
+    if not kt["losses"]:
+        print(f"kt_ops: nothing left to train (resumed at the last of {s['settings']['steps']} steps)")
+        print(f"wrote {s['outputs']['adapter_dir']} (adapter), {s['outputs']['summary']}")
+        return
     print(f"kt_ops: loss {kt['losses'][0]:.4f} -> {kt['losses'][-1]:.4f} over {len(kt['losses'])} steps, "
           f"{kt['tokens_per_s']:,.0f} tokens/s (steady state; median step: {kt['tokens_per_s_median']:,.0f}; "
           f"first step {kt['first_step_s']:.1f} s "
@@ -531,7 +542,11 @@ def _print_report(s: dict) -> None:
 
 
 def main(argv=None) -> int:
-    run(argv)
+    # torchrun's own error record: its failure summary then names the first rank that
+    # failed with this rank's exception and traceback.
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(run)(argv)
     return 0
 
 

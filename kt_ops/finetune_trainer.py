@@ -7,11 +7,21 @@ the same data), the model is compiled in place (``nn.Module.compile(fullgraph=Tr
 the Trainer wraps it (accelerate's own compile would compile the DDP wrapper, whose forward
 does not trace whole; DDP's gradient hooks run outside the compiled graph), and two callbacks
 record the per-step losses and times, draw the progress bar (loss, tokens/s) and write
-the expert adapter into each checkpoint (:class:`~kt_ops.hf.trainer.KTAdapterCallback`).
+the expert adapter into each checkpoint (:class:`~kt_ops.hf.trainer.KTAdapterCallback`). The
+Trainer is :class:`~kt_ops.hf.trainer.KTTrainer`: each rank's optimizer state in the
+checkpoints, ``--resume latest`` to the newest complete one, a failure on one rank ending all.
+
+Test hook: ``KT_OPS_FINETUNE_FAULT=WHAT@RANK:STEP`` makes rank RANK fail at optimizer step STEP
+(1-based): ``forward`` raises in the model's forward, ``kt`` in the experts' kt.moe forward
+(the owner rank), ``data`` in the dataset's ``__getitem__``, ``kill`` SIGKILLs the process as
+the step begins, ``kill-in-save`` SIGKILLs it while the Trainer saves the checkpoint of step
+STEP (after the Trainer's own files, before kt's).
 """
 from __future__ import annotations
 
 import dataclasses
+import os
+import signal
 import sys
 import time
 from typing import Optional
@@ -26,11 +36,15 @@ class WindowDataset(torch.utils.data.Dataset):
 
     def __init__(self, tokens: Tensor, offsets: Tensor, seq_len: int):
         self.tokens, self.offsets, self.seq_len = tokens, offsets.reshape(-1), seq_len
+        self.fail_at_item, self._items_read = None, 0  # the fault-injection hook's (item, message)
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, i: int) -> dict:
+        if self.fail_at_item is not None and self._items_read == self.fail_at_item[0]:
+            raise RuntimeError(self.fail_at_item[1])
+        self._items_read += 1
         start = int(self.offsets[i])
         window = self.tokens[start:start + self.seq_len + 1]
         return {"input_ids": window, "labels": window}
@@ -59,6 +73,8 @@ class RunResult:
     def tokens_per_s_median(self) -> float:
         """From the median step time (first step left out): robust to other processes' bursts."""
         times = sorted(self.step_times[1:] if len(self.step_times) > 1 else self.step_times)
+        if not times:  # resumed from the last step: nothing trained
+            return 0.0
         mid = len(times) // 2
         median = times[mid] if len(times) % 2 else (times[mid - 1] + times[mid]) / 2
         return self.tokens_per_step / max(median, 1e-12)
@@ -117,7 +133,7 @@ def train_with_trainer(model: nn.Module, dataset: WindowDataset, args, label: st
     import transformers
     from transformers.trainer_callback import PrinterCallback
 
-    from kt_ops.hf.trainer import KTAdapterCallback
+    from kt_ops.hf.trainer import KTAdapterCallback, KTTrainer
 
     cuda = torch.cuda.is_available()
     per_device = args.batch_size // world_size
@@ -132,11 +148,63 @@ def train_with_trainer(model: nn.Module, dataset: WindowDataset, args, label: st
     recorder = _callbacks()(label, args.batch_size * args.seq_len, show=not args.no_progress)
     if compile_backend is not None:
         model.compile(backend=compile_backend, fullgraph=True)
-    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=dataset,
-                                   callbacks=[recorder, KTAdapterCallback()])
+    injected = fault_injection(os.environ.get(FAULT_VARIABLE), model, dataset, training_args.process_index,
+                               per_device)
+    trainer = KTTrainer(model=model, args=training_args, train_dataset=dataset,
+                        callbacks=[recorder, *injected, KTAdapterCallback()])
     trainer.remove_callback(PrinterCallback)  # the progress bar shows loss and tokens/s instead
     start = time.perf_counter()
     trainer.train(resume_from_checkpoint=resume)
     wall = time.perf_counter() - start
     return RunResult(label, recorder.losses, recorder.times, args.batch_size * args.seq_len, wall,
                      recorder.first_step or 1)
+
+
+FAULT_VARIABLE = "KT_OPS_FINETUNE_FAULT"
+FAULTS = ("forward", "kt", "data", "kill", "kill-in-save")
+
+
+def fault_injection(spec: Optional[str], model: nn.Module, dataset: WindowDataset, rank: int,
+                    items_per_step: int) -> list:
+    """The test hook of the module's docstring: the callbacks to add (the dataset and the model
+    are armed in place). ``[]`` without ``spec`` or for another rank."""
+    if not spec:
+        return []
+    what, _, where = spec.partition("@")
+    try:
+        target_rank, step = (int(v) for v in where.split(":"))
+    except ValueError:
+        target_rank = step = None
+    if what not in FAULTS or step is None or step < 1:
+        raise ValueError(f"{FAULT_VARIABLE}={spec!r}: expected WHAT@RANK:STEP with WHAT one of {FAULTS}")
+    if rank != target_rank:
+        return []
+    from transformers import TrainerCallback
+
+    message = f"injected {what} failure at step {step} on rank {rank} ({FAULT_VARIABLE})"
+    armed = {"on": False}
+
+    class Inject(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kwargs):
+            if state.global_step + 1 != step:
+                return
+            if what == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            if what == "kt":
+                from kt_ops import faults
+                faults.inject_failure("moe_forward", message)
+            armed["on"] = what == "forward"
+
+        def on_save(self, args, state, control, **kwargs):
+            if what == "kill-in-save" and state.global_step == step:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def forward_fault(module, inputs):
+        if armed["on"]:
+            raise RuntimeError(message)
+
+    if what == "forward":
+        model.register_forward_pre_hook(forward_fault)
+    if what == "data":
+        dataset.fail_at_item = (step - 1) * items_per_step, message
+    return [Inject()]

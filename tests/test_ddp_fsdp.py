@@ -18,13 +18,14 @@ from moe_testing import randomize_lora  # noqa: E402
 STEPS, LR = 3, 0.5
 
 
-def build_model():
+def build_model(**patch):
     """The tiny Qwen3-MoE of test_quantized_layer (H=128, 8 experts, top-2), patched with rank-4
-    expert LoRA whose B factors are nonzero (so every LoRA tensor gets a gradient)."""
+    expert LoRA whose B factors are nonzero (so every LoRA tensor gets a gradient); ``patch``:
+    more arguments of patch_model (process groups)."""
     import kt_ops
     from test_quantized_layer import tiny_qwen3_moe
 
-    model = kt_ops.patch_model(tiny_qwen3_moe(torch.float32), lora_rank=4, lora_alpha=8).train()
+    model = kt_ops.patch_model(tiny_qwen3_moe(torch.float32), lora_rank=4, lora_alpha=8, **patch).train()
     randomize_lora(model, lambda name: name.endswith("lora_b"), seed=7)
     return model
 

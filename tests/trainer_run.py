@@ -1,8 +1,10 @@
-"""A stock transformers.Trainer run on a patched tiny Qwen3-MoE (expert LoRA, optionally the
-routers too), for tests/test_trainer.py: ``python tests/trainer_run.py OUT [--train-router]``
-in one process or under ``torch.distributed.run``. Rank 0 writes OUT/result.pt: the logged
-losses and the trained tensors. The per-device batch is the global batch / world size, so
-every world size trains on the same samples per step."""
+"""A Trainer run (kt_ops.hf.KTTrainer: the stock transformers.Trainer with kt's checkpoints) on
+a patched tiny Qwen3-MoE (expert LoRA, optionally the routers too), for tests/test_trainer.py:
+``python tests/trainer_run.py OUT [--train-router]`` in one process or under
+``torch.distributed.run``; ``--nodes N`` splits the ranks into N "nodes" of consecutive ranks,
+each with its own owner (one owner per node, the owners averaging their expert gradients).
+Rank 0 writes OUT/result.pt: the logged losses and the trained tensors. The per-device batch
+is the global batch / world size, so every world size trains on the same samples per step."""
 import argparse
 import os
 import sys
@@ -25,6 +27,9 @@ def main(argv=None):
     p.add_argument("--resume", default=None, help="a checkpoint folder to resume from")
     p.add_argument("--attention-lora", action="store_true",
                    help="PEFT LoRA on q_proj / v_proj too (kt_ops.hf.get_peft_model)")
+    p.add_argument("--lr", type=float, default=0.5)
+    p.add_argument("--optim", default="sgd", help="the Trainer's optim (adamw_torch: optimizer state to resume)")
+    p.add_argument("--nodes", type=int, default=1, help="one owner per node, NODES nodes of consecutive ranks")
     args = p.parse_args(argv)
 
     import transformers
@@ -33,7 +38,7 @@ def main(argv=None):
     from test_ddp_fsdp import build_model, set_trainable
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = build_model()
+    model = build_model(**node_groups(args.nodes, world))
     if args.attention_lora and args.train_router:
         p.error("--attention-lora and --train-router are separate cases")
     model = set_trainable(model, "lora+peft-attention" if args.attention_lora
@@ -43,16 +48,16 @@ def main(argv=None):
             for ids in torch.randint(0, 96, (GLOBAL_BATCH * args.steps, SEQ), generator=gen)]
     training_args = transformers.TrainingArguments(
         output_dir=args.out, per_device_train_batch_size=GLOBAL_BATCH // world, max_steps=args.steps,
-        learning_rate=0.5, lr_scheduler_type="constant", optim="sgd", weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        learning_rate=args.lr, lr_scheduler_type="constant", optim=args.optim, weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], use_cpu=True, seed=0, data_seed=0,
         dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None,
         gradient_checkpointing=args.checkpointing,
         gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn}
         if args.checkpointing else None)
-    from kt_ops.hf.trainer import KTAdapterCallback
+    from kt_ops.hf.trainer import KTTrainer
 
-    trainer = transformers.Trainer(model=model, args=training_args, train_dataset=data, callbacks=[KTAdapterCallback()])
+    trainer = KTTrainer(model=model, args=training_args, train_dataset=data)
     trainer.train(resume_from_checkpoint=args.resume)
     if trainer.is_world_process_zero():
         losses = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -64,6 +69,22 @@ def main(argv=None):
         from kt_ops import _kernels
         torch.save({"losses": losses, "state": state, "world": world, "kernel_calls": dict(_kernels.calls)},
                    os.path.join(args.out, "result.pt"))
+
+
+def node_groups(nodes: int, world: int) -> dict:
+    """patch_model's groups for one owner per node (the process group set up here, before the
+    Trainer, which then uses it); ``{}`` for a single node."""
+    if nodes == 1:
+        return {}
+    import torch.distributed as dist
+
+    if world % nodes:
+        raise ValueError(f"--nodes {nodes} does not divide {world} ranks")
+    dist.init_process_group("gloo")
+    per_node = world // nodes
+    groups = [dist.new_group(list(range(n * per_node, (n + 1) * per_node))) for n in range(nodes)]
+    owners = dist.new_group([n * per_node for n in range(nodes)])
+    return dict(process_group=groups[dist.get_rank() // per_node], owner_rank=0, expert_replica_group=owners)
 
 
 if __name__ == "__main__":
