@@ -25,7 +25,9 @@ setup(
     package_data={"kt_ops.data": ["corpus.txt"]},  # the kt-finetune demo corpus
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
-    ext_modules=[
+    # KT_OPS_SKIP_EXTENSION=1: the package alone (scripts/setup.sh builds the extension in place
+    # first, incrementally, and then installs the package editable without building it again).
+    ext_modules=[] if os.environ.get("KT_OPS_SKIP_EXTENSION") == "1" else [
         CppExtension(
             "kt_ops._C",
             sources,
