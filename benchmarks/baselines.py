@@ -180,7 +180,7 @@ class SortedMoE(nn.Module):
     per expert, one fused ``[Ag; Au]`` GEMM and the three B GEMMs and the down adapter. Backward
     is eager autograd. The stacked parameters are ``unbind``-ed once per call, not indexed per
     expert: indexing a stacked parameter per expert zero-fills the whole stacked gradient once
-    per expert (DESIGN.md §4).
+    per expert (docs/benchmarks.md).
 
     Parameters: ``w13 [E, 2I, H]`` (a fused copy, the implementation's own layout), ``w2 =
     down_proj [E, H, I]`` and the six LoRA tensors ``[E, …]`` (these share storage with the

@@ -2,7 +2,7 @@ import os
 import sys
 
 # Registrations never change within a run, but a stale on-disk cache from an older build of
-# the extension must not serve an old graph (DESIGN.md §3).
+# the extension must not serve an old graph (docs/design.md, "torch.compile behaviour").
 os.environ.setdefault("TORCHINDUCTOR_FORCE_DISABLE_CACHES", "1")
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests"))

@@ -103,7 +103,7 @@ Measured in the same run, and how the derived numbers are defined:
   ``[2I,n]x[n,H]``. Its rate (6, 12, 18·P·H·I FLOPs / time) is the ceiling; ``% ceil`` =
   an implementation's GFLOP/s / that rate (the LoRA FLOPs, about 4% at the Qwen3 shape, are
   counted for the implementation but not in the ceiling's GEMMs). No gather, scatter, SwiGLU
-  or routing is in the ceiling, so 100% is not reachable, but 60-80% is (DESIGN.md §4).
+  or routing is in the ceiling, so 100% is not reachable, but 60-80% is (docs/benchmarks.md).
   ``mm-ceiling-fp32`` runs exactly these GEMMs on float32 copies of the weights and inputs,
   timed whenever ``mm-ceiling`` is; ``% fp32 ceil`` = GFLOP/s / its rate (for ``kt.moe-fp32``
   the like-for-like figure).

@@ -42,7 +42,7 @@ METHODS = {"bf16": "AMXBF16_SFT", "fp8": "AMXFP8_SFT", "int8": "AMXINT8_SFT", "i
 
 
 def build_kt_kernel(mode: str, prob, cfg, fmt: str = "bf16", quantized=None) -> Impl:
-    """KTransformers' SFT MoE through the kt-kernel 0.7.2 API (DESIGN.md §4), on the problem's
+    """KTransformers' SFT MoE through the kt-kernel 0.7.2 API (docs/benchmarks.md), on the problem's
     bf16 base weights (``fmt="bf16"``) or on frozen quantized ones (lora mode only: kt-kernel
     has no quantized forward without LoRA or full mode):
 

@@ -5,7 +5,7 @@
 //   bfloat16 on the avx512_bf16 path: ATen's bf16 GEMMs (oneDNN's AVX512-BF16 / AMX kernels).
 //   bfloat16 on every other path (avx512 without BF16, avx2, portable): oneDNN has no fast bf16
 //     GEMM there (ATen's bf16 mm ran 20-21 GFLOP/s on 2 AVX2 Zen 3 cores against 100-160
-//     GFLOP/s in fp32, DESIGN.md §5), so the bf16 operands are converted to float32 one panel at a time (a panel: a
+//     GFLOP/s in fp32, docs/kernels.md), so the bf16 operands are converted to float32 one panel at a time (a panel: a
 //     few dozen weight rows, about 512 KiB, cache resident), multiplied by ATen's float32 GEMM
 //     with float32 accumulation and rounded to bf16 once at the end: the numerics of oneDNN's
 //     bf16 GEMMs, at the float32 FMA rate, with no float32 copy of a whole weight ever made.

@@ -1,4 +1,4 @@
-// CPU kernel of kt.moe_backward (math in ../shared/DESIGN.md §1).
+// CPU kernel of kt.moe_backward (math in docs/design.md, "The expert math").
 //
 // Per expert, with dy the rows of grad_output routed to it, w their routing weights and
 // g, u the pre-activations saved by forward:
