@@ -9,7 +9,7 @@ import torch
 
 from kt_ops.cpu_isa import supported_cpu_isas
 from quantized_samples import block_float_rounded, rounding_bound
-from test_quantized_experts import python_dequantize, randn, raw_weight
+from quantized_testing import python_dequantize, randn, raw_weight
 
 pytestmark = pytest.mark.skipif("avx2" not in supported_cpu_isas(), reason="this CPU cannot run avx2")
 

@@ -10,7 +10,7 @@ import torch
 
 from kt_ops.cpu_isa import supported_cpu_isas
 from quantized_samples import block_float_rounded, rounding_bound
-from test_quantized_experts import python_dequantize, randn, raw_weight
+from quantized_testing import python_dequantize, randn, raw_weight
 
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
 

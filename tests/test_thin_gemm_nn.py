@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kt_ops.cpu_isa import supported_cpu_isas, use_cpu_isa
-from test_quantized_experts import finite_fp8_codes, isa_param, python_dequantize, randn, raw_weight
+from quantized_testing import finite_fp8_codes, isa_param, python_dequantize, randn, raw_weight
 
 f32, bf16 = torch.float32, torch.bfloat16
 PATHS = [isa_param("portable"), isa_param("avx2")]  # the reference loop; the AVX2 kernel

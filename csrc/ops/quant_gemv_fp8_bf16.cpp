@@ -12,7 +12,7 @@
 // NaN in x propagates as in x·wᵀ. vdpbf16ps reads bf16 denormals of x (|x| < 2^-126) as zero
 // and flushes denormal partial sums, whatever MXCSR says (the int4 kernel does the same).
 // Tested against float64 on every code, both scale dtypes, 128-row bands and column tails
-// (tests/test_quantized_experts.py), through quant_gemv_nt and the reference loop.
+// (tests/test_quant_decode_gemv.py), through quant_gemv_nt and the reference loop.
 #include <cmath>
 #include <cstring>
 

@@ -18,7 +18,7 @@
 //
 // Tested against float64, against x rounded the same way in float64, and through quant_gemv_nt
 // against the reference loop of quant_gemv.cpp (tests/test_quant_gemv_int16.py,
-// tests/test_quantized_experts.py).
+// tests/test_quant_decode_gemv.py).
 
 #include <cmath>
 #include <memory>
