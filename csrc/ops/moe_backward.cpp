@@ -101,29 +101,17 @@ void weight_backward(const at::Tensor& d_out, const at::Tensor& in, int64_t rows
 
 at::Tensor empty_grad(const at::Tensor& like) { return at::empty({0}, like.options()); }
 
-std::vector<at::Tensor> moe_backward_cpu(
-    const at::Tensor& grad_output, const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-    const at::Tensor& topk_weights, const at::Tensor& activations, const at::Tensor& gate_proj,
-    const at::Tensor& up_proj, const at::Tensor& down_proj, const std::optional<at::Tensor>& gate_lora_a,
-    const std::optional<at::Tensor>& gate_lora_b, const std::optional<at::Tensor>& up_lora_a,
-    const std::optional<at::Tensor>& up_lora_b, const std::optional<at::Tensor>& down_lora_a,
-    const std::optional<at::Tensor>& down_lora_b, double lora_scale, const c10::List<bool>& output_mask_list,
-    const std::optional<at::Tensor>& gate_scale, const std::optional<at::Tensor>& up_scale,
-    const std::optional<at::Tensor>& down_scale, std::optional<double> swiglu_limit, c10::string_view activation,
-    std::optional<double> swiglu_alpha, const std::optional<at::Tensor>& gate_bias,
-    const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias) {
-  const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
-  const BaseScales scales{gate_scale, up_scale, down_scale};
-  const ExpertBiases biases{gate_bias, up_bias, down_bias};
-  const Gating gating = checked_gating(swiglu_limit, activation, swiglu_alpha);
-  const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales, biases);
-  check_moe_backward_inputs(sizes, grad_output, hidden_states, activations, lora, biases, output_mask_list);
+std::vector<at::Tensor> moe_backward_cpu(const MoeArgs& args, const at::Tensor& grad_output,
+                                         const at::Tensor& activations, const c10::List<bool>& output_mask_list) {
+  const Gating gating = checked_gating(args);
+  const MoeSizes sizes = check_moe_inputs(args);
+  const LoraTensors& lora = args.lora;
+  check_moe_backward_inputs(sizes, grad_output, args.hidden_states, activations, lora, args.biases, output_mask_list);
   const auto output_mask = output_mask_array(output_mask_list);
   const int num_grads = static_cast<int>(output_mask_list.size());
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales, biases);
+  const MoeInputs in = flatten_moe_inputs(args);
+  const at::Tensor &gate_proj = args.gate_proj, &up_proj = args.up_proj, &down_proj = args.down_proj;
   const at::Tensor dy_all = grad_output.detach().reshape(in.x.sizes()).contiguous();
   const at::Tensor act = activations.detach().contiguous();
   const auto acc = accumulate_type(in.x.scalar_type());
@@ -229,23 +217,32 @@ std::vector<at::Tensor> moe_backward_cpu(
   if (need(kHidden)) {
     at::Tensor dx = empty_large({in.x.size(0), H}, in.x.options());  // combine_rows writes every row
     combine_rows(dx_rows, routing.row_of_pair, std::nullopt, dx);
-    grads[kHidden] = dx.view(hidden_states.sizes());
+    grads[kHidden] = dx.view(args.hidden_states.sizes());
   } else {
     grads[kHidden] = empty_grad(in.x);
   }
   if (need(kWeights)) {
     // Back from sorted rows to (token, slot) order, in the dtype of topk_weights.
     grads[kWeights] = dw_rows.index_select(0, routing.row_of_pair)
-                          .to(topk_weights.scalar_type())
-                          .view(topk_weights.sizes());
+                          .to(args.topk_weights.scalar_type())
+                          .view(args.topk_weights.sizes());
   } else {
-    grads[kWeights] = empty_grad(topk_weights);
+    grads[kWeights] = empty_grad(args.topk_weights);
   }
   return std::vector<at::Tensor>(grads.begin(), grads.begin() + num_grads);
 }
 
+void moe_backward_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  MoeCall call(op, *stack);
+  std::vector<at::Tensor> grads = moe_backward_cpu(read_moe_args(call), call.tensor("grad_output"),
+                                                   call.tensor("activations"), call.arg("output_mask").toBoolList());
+  call.finish(std::move(grads));
+}
+
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("_moe_backward_cpu", &moe_backward_cpu); }
+TORCH_LIBRARY_IMPL(kt, CPU, m) {
+  m.impl("_moe_backward_cpu", torch::CppFunction::makeFromBoxedFunction<&moe_backward_boxed>());
+}
 
 }  // namespace kt

@@ -123,11 +123,13 @@ void check_bias(const char* name, const std::optional<at::Tensor>& bias, const a
 
 }  // namespace
 
-MoeSizes check_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                          const at::Tensor& topk_weights, const at::Tensor& gate_proj,
-                          const at::Tensor& up_proj, const at::Tensor& down_proj,
-                          const LoraTensors& lora, double lora_scale, const BaseScales& scales,
-                          const ExpertBiases& biases) {
+MoeSizes check_moe_inputs(const MoeArgs& args) {
+  const at::Tensor &hidden_states = args.hidden_states, &topk_ids = args.topk_ids, &topk_weights = args.topk_weights;
+  const at::Tensor &gate_proj = args.gate_proj, &up_proj = args.up_proj, &down_proj = args.down_proj;
+  const LoraTensors& lora = args.lora;
+  const double lora_scale = args.lora_scale;
+  const BaseScales& scales = args.scales;
+  const ExpertBiases& biases = args.biases;
   TORCH_CHECK_VALUE(hidden_states.dim() >= 1, "kt.moe: hidden_states must be [..., H] with at least 1 dim, got a ",
                     hidden_states.dim(), "-d tensor");
   TORCH_CHECK_TYPE(is_supported_float(hidden_states.scalar_type()),

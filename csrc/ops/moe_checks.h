@@ -10,32 +10,10 @@
 #include <array>
 
 #include "ops/expert_weights.h"
+#include "ops/moe_args.h"
 #include "ops/swiglu.h"
 
 namespace kt {
-
-// The six optional LoRA tensors, in schema order.
-struct LoraTensors {
-  std::optional<at::Tensor> gate_a, gate_b, up_a, up_b, down_a, down_b;
-
-  bool has_gate() const { return gate_a.has_value(); }
-  bool has_up() const { return up_a.has_value(); }
-  bool has_down() const { return down_a.has_value(); }
-};
-
-// The optional scales of quantized base weights (expert_weights.h), in schema order.
-struct BaseScales {
-  std::optional<at::Tensor> gate, up, down;
-};
-
-// The optional per-expert biases (gpt-oss's experts), in schema order: gate [E, I] and up
-// [E, I] added to the pre-activations, down [E, H] to each expert's output (before the
-// routing weight); in the dtype of hidden_states.
-struct ExpertBiases {
-  std::optional<at::Tensor> gate, up, down;
-
-  bool any() const { return gate.has_value() || up.has_value() || down.has_value(); }
-};
 
 // Sizes of one kt.moe call, as SymInts.
 struct MoeSizes {
@@ -50,17 +28,7 @@ struct MoeSizes {
 // Checks every argument of kt.moe / kt.moe_forward and returns the sizes.
 // Throws ValueError (shapes, values), TypeError (dtypes) or RuntimeError (devices), each
 // naming the argument and what was expected.
-MoeSizes check_moe_inputs(
-    const at::Tensor& hidden_states,
-    const at::Tensor& topk_ids,
-    const at::Tensor& topk_weights,
-    const at::Tensor& gate_proj,
-    const at::Tensor& up_proj,
-    const at::Tensor& down_proj,
-    const LoraTensors& lora,
-    double lora_scale,
-    const BaseScales& scales,
-    const ExpertBiases& biases);
+MoeSizes check_moe_inputs(const MoeArgs& args);
 
 // Checks the extra arguments of kt.moe_backward (grad_output, activations, output_mask).
 void check_moe_backward_inputs(
@@ -87,6 +55,9 @@ std::array<bool, kNumGradsWithBiases> output_mask_array(const c10::List<bool>& o
 // swiglu_alpha is a finite number > 0 for activation='swigluoai' and None otherwise.
 Gating checked_gating(const std::optional<double>& swiglu_limit, c10::string_view activation,
                       const std::optional<double>& swiglu_alpha);
+inline Gating checked_gating(const MoeArgs& args) {
+  return checked_gating(args.swiglu_limit, args.activation, args.swiglu_alpha);
+}
 
 // Shape of the saved activations: [2, T*K, I], or [2, 0, I] when nothing is saved.
 std::vector<c10::SymInt> activation_shape(const MoeSizes& sizes, bool saved);

@@ -21,11 +21,11 @@ std::optional<at::Tensor> plain(const std::optional<at::Tensor>& t) {
 
 }  // namespace
 
-MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                             const at::Tensor& topk_weights, const at::Tensor& gate_proj,
-                             const at::Tensor& up_proj, const at::Tensor& down_proj,
-                             const LoraTensors& lora, double lora_scale, const BaseScales& scales,
-                             const ExpertBiases& biases) {
+MoeInputs flatten_moe_inputs(const MoeArgs& args) {
+  const at::Tensor &hidden_states = args.hidden_states, &topk_ids = args.topk_ids, &topk_weights = args.topk_weights;
+  const LoraTensors& lora = args.lora;
+  const BaseScales& scales = args.scales;
+  const ExpertBiases& biases = args.biases;
   const int64_t H = hidden_states.size(-1);
   const int64_t K = topk_ids.size(-1);
   // T from the leading dims, not reshape(-1, ...): -1 is ambiguous when K (or H) is 0.
@@ -34,12 +34,12 @@ MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& 
   in.x = plain(hidden_states).reshape({T, H});
   in.ids = plain(topk_ids).reshape({T, K});
   in.weights = plain(topk_weights).reshape({T, K}).to(accumulate_type(hidden_states.scalar_type()));
-  in.gate = expert_weights(gate_proj, scales.gate);
-  in.up = expert_weights(up_proj, scales.up);
-  in.down = expert_weights(down_proj, scales.down);
+  in.gate = expert_weights(args.gate_proj, scales.gate);
+  in.up = expert_weights(args.up_proj, scales.up);
+  in.down = expert_weights(args.down_proj, scales.down);
   in.lora = {plain(lora.gate_a), plain(lora.gate_b), plain(lora.up_a),
              plain(lora.up_b),   plain(lora.down_a), plain(lora.down_b)};
-  in.scale = lora_scale;
+  in.scale = args.lora_scale;
   in.biases = {plain(biases.gate), plain(biases.up), plain(biases.down)};
   return in;
 }

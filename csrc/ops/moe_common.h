@@ -27,11 +27,7 @@ struct MoeInputs {
   ExpertBiases biases;  // contiguous where given
 };
 
-MoeInputs flatten_moe_inputs(const at::Tensor& hidden_states, const at::Tensor& topk_ids,
-                             const at::Tensor& topk_weights, const at::Tensor& gate_proj,
-                             const at::Tensor& up_proj, const at::Tensor& down_proj,
-                             const LoraTensors& lora, double lora_scale, const BaseScales& scales,
-                             const ExpertBiases& biases);
+MoeInputs flatten_moe_inputs(const MoeArgs& args);
 
 // The per-block results of an expert pass (forward's expert outputs, backward's input
 // gradients), addressed by sorted row, without copying them into one [N, H] buffer: each

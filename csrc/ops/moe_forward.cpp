@@ -42,26 +42,12 @@ at::Tensor swiglu(const at::Tensor& g, const at::Tensor& u, const Gating& gating
   return h;
 }
 
-std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
-    const at::Tensor& hidden_states, const at::Tensor& topk_ids, const at::Tensor& topk_weights,
-    const at::Tensor& gate_proj, const at::Tensor& up_proj, const at::Tensor& down_proj,
-    const std::optional<at::Tensor>& gate_lora_a, const std::optional<at::Tensor>& gate_lora_b,
-    const std::optional<at::Tensor>& up_lora_a, const std::optional<at::Tensor>& up_lora_b,
-    const std::optional<at::Tensor>& down_lora_a, const std::optional<at::Tensor>& down_lora_b,
-    double lora_scale, bool save_activations, const std::optional<at::Tensor>& gate_scale,
-    const std::optional<at::Tensor>& up_scale, const std::optional<at::Tensor>& down_scale,
-    std::optional<double> swiglu_limit, c10::string_view activation,
-    std::optional<double> swiglu_alpha, const std::optional<at::Tensor>& gate_bias,
-    const std::optional<at::Tensor>& up_bias, const std::optional<at::Tensor>& down_bias) {
-  const LoraTensors lora{gate_lora_a, gate_lora_b, up_lora_a, up_lora_b, down_lora_a, down_lora_b};
-  const Gating gating = checked_gating(swiglu_limit, activation, swiglu_alpha);
-  const BaseScales scales{gate_scale, up_scale, down_scale};
-  const ExpertBiases biases{gate_bias, up_bias, down_bias};
-  const MoeSizes sizes = check_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales, biases);
+std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const MoeArgs& args, bool save_activations) {
+  const Gating gating = checked_gating(args);
+  const MoeSizes sizes = check_moe_inputs(args);
   at::AutoDispatchBelowADInplaceOrView below_autograd;
-  const MoeInputs in = flatten_moe_inputs(hidden_states, topk_ids, topk_weights, gate_proj, up_proj,
-                                          down_proj, lora, lora_scale, scales, biases);
+  const MoeInputs in = flatten_moe_inputs(args);
+  const at::Tensor &gate_proj = args.gate_proj, &up_proj = args.up_proj, &down_proj = args.down_proj;
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.out;
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
@@ -120,11 +106,19 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(
 
   at::Tensor out = empty_large({in.x.size(0), H}, in.x.options());  // combine_rows writes every row
   combine_rows(expert_out, routing.row_of_pair, in.weights, out);
-  return {out.view(hidden_states.sizes()), activations};
+  return {out.view(args.hidden_states.sizes()), activations};
+}
+
+void moe_forward_boxed(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
+  MoeCall call(op, *stack);
+  auto [output, activations] = moe_forward_cpu(read_moe_args(call), call.arg("save_activations").toBool());
+  call.finish(std::move(output), std::move(activations));
 }
 
 }  // namespace
 
-TORCH_LIBRARY_IMPL(kt, CPU, m) { m.impl("_moe_forward_cpu", &moe_forward_cpu); }
+TORCH_LIBRARY_IMPL(kt, CPU, m) {
+  m.impl("_moe_forward_cpu", torch::CppFunction::makeFromBoxedFunction<&moe_forward_boxed>());
+}
 
 }  // namespace kt

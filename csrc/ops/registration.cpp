@@ -112,45 +112,6 @@ TORCH_LIBRARY(kt, m) {
   // Large per-call buffers kept for reuse (csrc/ops/large_alloc.h): {buffers, bytes} idle, release.
   m.def("_cached_buffers_info() -> int[]");
   m.def("_release_cached_buffers() -> ()");
-  // The fused kernels on their own, with an explicit path, so that tests compare every path
-  // with the reference loop (csrc/ops/kernel_test_ops.cpp). Not part of the API.
-  m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
-  m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
-  m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None, str activation=\"silu\", "
-        "float? alpha=None) -> Tensor");
-  // The bf16-to-float32 panel GEMMs of base_gemm.h (x·wᵀ, d·w [+ addend], aᵀ·b).
-  m.def("_panel_mm_nt(Tensor x, Tensor w) -> Tensor");
-  m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
-  m.def("_panel_mm_tn(Tensor a, Tensor b) -> Tensor");
-  m.def("_convert_rows(Tensor src, ScalarType dtype, str isa) -> Tensor");
-  // One expert's quantized weight (csrc/ops/expert_weights.h) dequantized to float32 or bf16
-  // on a path (columns [col0, col0 + cols), all of them for cols = -1), its decode GEMV on a
-  // path, its panel GEMMs x·wᵀ, d·w [+ addend] (active path), and the route those take.
-  m.def("_dequantize(Tensor weight, Tensor scale, str isa, ScalarType dtype=float, int col0=0, int cols=-1) -> Tensor");
-  // The same into oneDNN's packed bf16 layout (rows [start, start + count), or wᵀ's rows for
-  // transposed), and that layout's (out_block, in_block) for a [out_features, in_features] weight ([] if none).
-  m.def("_dequantize_packed(Tensor weight, Tensor scale, bool transposed, int start, int count, str isa, "
-        "bool dense=True) -> Tensor");
-  m.def("_packed_layout(int out_features, int in_features) -> int[]");
-  // The same kernels into a plain buffer in a given layout of that family, without oneDNN.
-  m.def("_dequantize_into_layout(Tensor weight, Tensor scale, bool transposed, int start, int count, "
-        "int out_block, int in_block, str isa) -> Tensor");
-  m.def("_quant_gemm_path(ScalarType dtype) -> str");
-  m.def("_quant_gemv_nt(Tensor x, Tensor weight, Tensor scale, str isa) -> Tensor");
-  // The avx2 integer-dot-product decode kernel alone (float32 x holding bf16 values): its float32
-  // output and whether it ran (quant_gemv.h).
-  m.def("_quant_gemv_int16(Tensor x, Tensor weight, Tensor scale) -> (Tensor, bool)");
-  // The avx512_bf16 path's VNNI decode kernel for bf16 x on int4 weights alone: the same.
-  m.def("_quant_gemv_int4_vnni(Tensor x, Tensor weight, Tensor scale) -> (Tensor, bool)");
-  m.def("_quant_mm_nt(Tensor x, Tensor weight, Tensor scale) -> Tensor");
-  m.def("_quant_mm_nn(Tensor d, Tensor weight, Tensor scale, Tensor? addend) -> Tensor");
-  // Backward's decode-sized d·w [+ addend] on bf16 or quantized weights on a path
-  // (thin_gemm_nn.h), and d·w [+ addend] as kt.moe's backward routes it on the active path.
-  m.def("_thin_gemm_nn(Tensor d, Tensor weight, Tensor? scale, str isa, Tensor? addend) -> Tensor");
-  m.def("_base_mm_nn(Tensor d, Tensor weight, Tensor? scale, Tensor? addend) -> Tensor");
-  m.def("_thin_gemm_nn_taken(Tensor d, Tensor weight, Tensor? scale) -> bool");
-  m.def(
-      "_swiglu_backward(Tensor g, Tensor u, Tensor dh, Tensor w, bool need_hw, bool need_dw, str isa, "
-      "float? limit=None, str activation=\"silu\", float? alpha=None) "
-      "-> (Tensor dg, Tensor du, Tensor hw, Tensor dw)");
+  // The test-only kernels (_small_gemm, _dequantize, _quant_gemv_nt, ...): their own fragment of
+  // this library, beside their kernels in csrc/ops/kernel_test_ops.cpp.
 }
