@@ -21,8 +21,8 @@ setup(
     description="torch.library custom ops for MoE fine-tuning with CPU-resident experts",
     # kt_ops/meta_kernels is a link to meta_kernels/ (the product layout keeps shape functions
     # there), so the fakes import as kt_ops.meta_kernels from a source tree and an install alike.
-    packages=["kt_ops", "kt_ops.meta_kernels", "kt_ops.hf", "kt_ops.data"],
-    package_data={"kt_ops.data": ["corpus.txt"]},  # the kt-finetune demo corpus
+    packages=["kt_ops", "kt_ops.meta_kernels", "kt_ops.hf", "kt_ops.data", "kt_ops.finetune", "kt_ops.finetune.data"],
+    package_data={"kt_ops.finetune.data": ["corpus.txt"]},  # the kt-finetune demo corpus
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     # KT_OPS_SKIP_EXTENSION=1: the package alone (scripts/setup.sh builds the extension in place

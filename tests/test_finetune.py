@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from kt_ops import finetune
-from kt_ops.tokenizer import ByteTokenizer
+from kt_ops.finetune.tokenizer import ByteTokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY_MODEL = ("num_hidden_layers=2,hidden_size=64,intermediate_size=128,moe_intermediate_size=32,"

@@ -6,7 +6,7 @@
 
 The model's experts are moved onto kt (``kt_ops.patch_model``, or ``kt_ops.hf.from_pretrained``
 straight from a ``--model`` checkpoint) with LoRA on the routed experts; everything else is
-frozen. Training is a stock ``transformers.Trainer`` (``kt_ops.finetune_trainer``): AdamW,
+frozen. Training is a stock ``transformers.Trainer`` (``kt_ops.finetune.training``): AdamW,
 constant learning rate, gradient clipping, checkpoints (``--save-steps``, ``--resume``); the
 model is compiled in place with ``torch.compile(fullgraph=True)`` before the Trainer wraps it
 (``--backend``, inductor by default) and checkpointed under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU
@@ -15,7 +15,7 @@ experts and the collectives run once per step, attention and norms are recompute
 
 Without ``--model`` it trains a small Qwen3-MoE-architecture model (random init, built from
 ``Qwen3MoeConfig``; see ``DEFAULT_MODEL_CONFIG``) on the public-domain corpus shipped in
-``kt_ops/data/corpus.txt`` with a byte-level tokenizer (``kt_ops.tokenizer``); nothing is
+``kt_ops/finetune/data/corpus.txt`` with a byte-level tokenizer (``kt_ops.finetune.tokenizer``); nothing is
 downloaded. Batches are windows of ``--seq-len + 1`` tokens at random offsets drawn from
 ``--seed`` (the model predicts the last ``--seq-len`` of each), taken in order by the Trainer:
 both runs of ``--compare-eager`` and every rank see the same data in the same order.
@@ -61,8 +61,8 @@ from torch import Tensor, nn
 import kt_ops
 from kt_ops import faults, quantization
 from kt_ops.cpu_isa import best_cpu_isa
-from kt_ops.finetune_trainer import RunResult, WindowDataset, train_with_trainer
-from kt_ops.tokenizer import ByteTokenizer
+from kt_ops.finetune.training import RunResult, WindowDataset, train_with_trainer
+from kt_ops.finetune.tokenizer import ByteTokenizer
 
 # The built-in demo model: Qwen3-MoE architecture, small enough for a few minutes on 2 cores.
 DEFAULT_MODEL_CONFIG = dict(
@@ -104,7 +104,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--model-config", default=None, metavar="KEY=VALUE[,KEY=VALUE...]",
                    help="overrides of the built-in model's Qwen3MoeConfig, e.g. "
                         "'num_hidden_layers=2,hidden_size=128' (not with --model)")
-    p.add_argument("--data", default=None, help="a UTF-8 text file; default: kt_ops/data/corpus.txt")
+    p.add_argument("--data", default=None, help="a UTF-8 text file; default: kt_ops/finetune/data/corpus.txt")
     p.add_argument("--steps", type=int, default=150, help="optimizer steps (default: %(default)s)")
     p.add_argument("--seq-len", type=int, default=128, help="tokens per sequence (default: %(default)s)")
     p.add_argument("--batch-size", type=int, default=8,
@@ -199,7 +199,7 @@ def load_tokens(args, model_dir: Optional[str], vocab_size: int) -> tuple[Tensor
         with open(args.data, encoding="utf-8") as f:
             text = f.read()
     else:
-        from kt_ops.data import read_corpus
+        from kt_ops.finetune.data import read_corpus
         text = read_corpus()
     tokenizer = None
     # The model's own tokenizer when it has one. (transformers 5 builds an empty tokenizer from
@@ -548,7 +548,3 @@ def main(argv=None) -> int:
 
     record(run)(argv)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
