@@ -102,14 +102,12 @@ class KTMoE(nn.Module):
             raise ValueError(f"KTMoE: lora_rank must be an int >= 0, got {lora_rank!r}")
         if dtype not in (torch.float32, torch.bfloat16, torch.float64):
             raise ValueError(f"KTMoE: dtype must be float32, bfloat16 or float64, got {dtype}")
-        self.group_size = quantization.check_format(expert_format, group_size, "KTMoE")
-        self.expert_format = expert_format
-        if expert_format is not None and train_base:
-            raise ValueError(f"KTMoE: train_base=True cannot train quantized experts (expert_format={expert_format!r}): "
-                             "quantized base weights are frozen; train LoRA adapters (lora_rank > 0) or use float experts")
-        if expert_format == "int4" and (hidden_size % self.group_size or intermediate_size % self.group_size):
-            raise ValueError(f"KTMoE: expert_format='int4' with group_size={self.group_size} needs hidden_size "
-                             f"({hidden_size}) and intermediate_size ({intermediate_size}) to be multiples of it")
+        fmt = quantization.ExpertFormat.parse(expert_format, group_size, "KTMoE")  # or as parsed by the caller
+        fmt.check_trainable(train_base, "KTMoE")
+        if (problem := fmt.size_problem(hidden_size, intermediate_size)) is not None:
+            raise ValueError(f"KTMoE: {problem}")
+        self.expert_format, self.group_size = fmt.name, fmt.group_size
+        expert_format = fmt.name
         if swiglu_limit is not None and not (isinstance(swiglu_limit, (int, float)) and swiglu_limit > 0):
             raise ValueError(f"KTMoE: swiglu_limit must be None or a number > 0, got {swiglu_limit!r}")
         self.swiglu_limit = None if swiglu_limit is None else float(swiglu_limit)

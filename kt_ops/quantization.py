@@ -22,6 +22,7 @@ round to nearest even; an all-zero block or group gets scale 1.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Optional
 
@@ -43,20 +44,68 @@ def format_of(weight: Tensor) -> Optional[str]:
     return _FORMAT_OF.get(weight.dtype)
 
 
-def check_format(expert_format: Optional[str], group_size: Optional[int], where: str) -> Optional[int]:
-    """Validates an ``expert_format`` / ``group_size`` pair; returns the group size to use
-    (32 by default for int4, None otherwise)."""
-    if expert_format is not None and expert_format not in FORMATS:
-        raise ValueError(f"{where}: expert_format must be None or one of {FORMATS}, got {expert_format!r}")
-    if expert_format != "int4":
-        if group_size is not None:
-            raise ValueError(f"{where}: group_size is for expert_format='int4' only, got group_size={group_size!r} "
-                             f"with expert_format={expert_format!r}")
+@dataclasses.dataclass(frozen=True)
+class ExpertFormat:
+    """How frozen base experts are stored: ``name`` None (the model's dtype) or one of
+    :data:`FORMATS`, and int4's input columns per scale (``group_size``, None for the others).
+
+    Made by :meth:`parse`, which checks an ``expert_format`` / ``group_size`` pair once, with
+    one message per mistake; the entry points (``kt_ops.finetune``'s ``--expert-format``,
+    ``from_pretrained``, ``patch_model``, ``KTMoE``, :func:`quantize`) parse what they are given
+    and pass the parsed value down, where it parses to itself."""
+    name: Optional[str] = None
+    group_size: Optional[int] = None
+
+    @classmethod
+    def parse(cls, expert_format, group_size: Optional[int] = None, where: str = "expert_format", *,
+              default_group_size: int = 32) -> "ExpertFormat":
+        """``expert_format`` (None, a name of :data:`FORMATS`, or an ExpertFormat) with
+        ``group_size`` (int4 only; ``default_group_size`` when None). ValueError naming
+        ``where`` and the argument otherwise."""
+        if isinstance(expert_format, ExpertFormat):
+            if group_size is not None and group_size != expert_format.group_size:
+                raise ValueError(f"{where}: group_size={group_size!r} given beside {expert_format}")
+            return expert_format
+        if expert_format is not None and expert_format not in FORMATS:
+            raise ValueError(f"{where}: expert_format must be None or one of {FORMATS}, got {expert_format!r}")
+        if expert_format != "int4":
+            if group_size is not None:
+                raise ValueError(f"{where}: group_size is for expert_format='int4' only, got group_size={group_size!r} "
+                                 f"with expert_format={expert_format!r}")
+            return cls(expert_format, None)
+        group_size = default_group_size if group_size is None else group_size
+        if group_size not in GROUP_SIZES:
+            raise ValueError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
+        return cls("int4", group_size)
+
+    @property
+    def quantized(self) -> bool:
+        return self.name is not None
+
+    def check_trainable(self, train_base: bool, where: str) -> None:
+        """ValueError when quantized experts would be trained in full (``train_base=True``)."""
+        if self.quantized and train_base:
+            raise ValueError(f"{where}: train_base=True cannot train quantized experts (expert_format={self.name!r}): "
+                             "quantized base weights are frozen; train LoRA adapters (lora_rank > 0) or use float "
+                             "experts")
+
+    def size_problem(self, hidden_size: int, intermediate_size: int) -> Optional[str]:
+        """Why experts of these sizes cannot be stored in this format, or None."""
+        if self.name == "int4" and (hidden_size % self.group_size or intermediate_size % self.group_size):
+            return (f"int4 groups of {self.group_size} must divide hidden size {hidden_size} and intermediate size "
+                    f"{intermediate_size}; choose another group_size")
         return None
-    group_size = 32 if group_size is None else group_size
-    if group_size not in GROUP_SIZES:
-        raise ValueError(f"{where}: group_size must be one of {GROUP_SIZES}, got {group_size!r}")
-    return group_size
+
+    def __str__(self) -> str:
+        if self.name == "int4":
+            return f"expert_format='int4' (group_size={self.group_size})"
+        return f"expert_format={self.name!r}"
+
+
+def check_format(expert_format: Optional[str], group_size: Optional[int], where: str) -> Optional[int]:
+    """The group size to use for an ``expert_format`` / ``group_size`` pair (32 by default for
+    int4, None otherwise), checked: :meth:`ExpertFormat.parse`'s ``group_size``."""
+    return ExpertFormat.parse(expert_format, group_size, where).group_size
 
 
 def quantize(weight: Tensor, expert_format: str, group_size: Optional[int] = None, *,
@@ -66,9 +115,10 @@ def quantize(weight: Tensor, expert_format: str, group_size: Optional[int] = Non
     Works one expert at a time, so the extra memory is one expert's float32 copy. Raises
     ValueError (naming ``name``) for NaN or inf weights, or an ``in`` that int4's groups do not
     divide."""
-    group_size = check_format(expert_format, group_size, "quantize")
-    if expert_format is None:
+    fmt = ExpertFormat.parse(expert_format, group_size, "quantize")
+    if not fmt.quantized:
         raise ValueError("quantize: expert_format must be one of " + repr(FORMATS))
+    expert_format, group_size = fmt.name, fmt.group_size
     if weight.dim() != 3 or not weight.dtype.is_floating_point:
         raise ValueError(f"quantize: {name} must be a 3-d float tensor [E, out, in], got {weight.dtype} "
                          f"{tuple(weight.shape)}")
@@ -180,10 +230,10 @@ def expert_set_nbytes(num_experts: int, hidden_size: int, intermediate_size: int
     included) as ``KTMoE`` holds them, computed from the shapes alone: what
     ``KTMoE(hidden_size, intermediate_size, num_experts, ..., expert_format=...).expert_nbytes()``
     returns, without making the layer. ``dtype`` is that of float experts (``expert_format=None``)."""
-    group_size = check_format(expert_format, group_size, "expert_set_nbytes")
-    if expert_format == "int4" and (hidden_size % group_size or intermediate_size % group_size):
-        raise ValueError(f"expert_set_nbytes: expert_format='int4' with group_size={group_size} needs hidden_size "
-                         f"({hidden_size}) and intermediate_size ({intermediate_size}) to be multiples of it")
+    fmt = ExpertFormat.parse(expert_format, group_size, "expert_set_nbytes")
+    expert_format, group_size = fmt.name, fmt.group_size
+    if (problem := fmt.size_problem(hidden_size, intermediate_size)) is not None:
+        raise ValueError(f"expert_set_nbytes: {problem}")
     total = 0
     for out, inp in ((intermediate_size, hidden_size), (intermediate_size, hidden_size),
                      (hidden_size, intermediate_size)):

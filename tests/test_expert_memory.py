@@ -40,7 +40,8 @@ def test_shape_formula_by_hand():
 def test_shape_formula_refusals():
     with pytest.raises(ValueError, match="expert_set_nbytes: expert_format must be None or one of"):
         quantization.expert_set_nbytes(2, 256, 128, "int2")
-    with pytest.raises(ValueError, match=r"group_size=128 needs hidden_size \(256\) and intermediate_size \(96\)"):
+    with pytest.raises(ValueError, match=r"expert_set_nbytes: int4 groups of 128 must divide hidden size 256 and "
+                                         r"intermediate size 96"):
         quantization.expert_set_nbytes(2, 256, 96, "int4", 128)
     with pytest.raises(ValueError, match="group_size is for expert_format='int4' only"):
         quantization.expert_set_nbytes(2, 256, 128, "fp8", 32)

@@ -63,3 +63,28 @@ def test_int4_needs_whole_groups():
 def test_all_zero_blocks_get_scale_one():
     data, scale = quantization.quantize(torch.zeros(1, 130, 140), "fp8")
     assert (scale == 1).all() and (quantization.dequantize(data, scale) == 0).all()
+
+
+def test_expert_format_parses_once_and_passes_down_as_is():
+    """One parse with one message per mistake; a parsed value parses to itself, so the entry
+    points hand it down (from_pretrained -> patch_model -> KTMoE) without checking it again."""
+    ExpertFormat = quantization.ExpertFormat
+    assert ExpertFormat.parse(None) == ExpertFormat(None, None) and not ExpertFormat.parse(None).quantized
+    assert ExpertFormat.parse("fp8") == ExpertFormat("fp8", None)
+    assert ExpertFormat.parse("int4") == ExpertFormat("int4", 32)
+    assert ExpertFormat.parse("int4", default_group_size=128) == ExpertFormat("int4", 128)  # a checkpoint's own
+    parsed = ExpertFormat.parse("int4", 64, "patch_model")
+    assert ExpertFormat.parse(parsed, where="KTMoE") is parsed and ExpertFormat.parse(parsed, 64) is parsed
+    with pytest.raises(ValueError, match=r"KTMoE: group_size=32 given beside expert_format='int4' \(group_size=64\)"):
+        ExpertFormat.parse(parsed, 32, "KTMoE")
+    for bad, match in ((("int5",), "where: expert_format must be None or one of"),
+                       (("int4", 48), "where: group_size must be one of"),
+                       (("int8", 32), "where: group_size is for expert_format='int4' only")):
+        with pytest.raises(ValueError, match=match):
+            ExpertFormat.parse(*bad, where="where")
+    assert parsed.size_problem(128, 64) is None
+    assert "int4 groups of 64 must divide hidden size 128 and intermediate size 96" in parsed.size_problem(128, 96)
+    assert ExpertFormat.parse("fp8").size_problem(100, 7) is None
+    with pytest.raises(ValueError, match=r"x: train_base=True cannot train quantized experts \(expert_format='fp8'\)"):
+        ExpertFormat.parse("fp8").check_trainable(True, "x")
+    ExpertFormat.parse(None).check_trainable(True, "x")  # float experts may train

@@ -165,8 +165,10 @@ def parse_args(argv=None) -> argparse.Namespace:
             re.compile(args.also_train)
         except re.error as e:
             p.error(f"--also-train: not a regular expression: {e}")
-    if args.group_size is not None and args.expert_format != "int4":
-        p.error("--group-size is for --expert-format int4")
+    try:  # the library's own check and message (from_pretrained / patch_model parse them again, as given)
+        quantization.ExpertFormat.parse(args.expert_format, args.group_size, "kt-finetune")
+    except ValueError as e:
+        p.error(str(e))
     if args.model_config is not None:
         if args.model:
             p.error("--model-config changes the built-in model; it cannot be combined with --model")

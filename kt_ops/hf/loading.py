@@ -157,8 +157,10 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     stored = CheckpointQuantization.from_config(getattr(config, "quantization_config", None))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the model is built unquantized; kt_ops holds the experts' format
-    if expert_format == "int4" and group_size is None and stored.method == "int4":
-        group_size = stored.group_size  # copy the checkpoint's int4 as stored
+    # Parsed once (and passed down as is); int4's default group size is the checkpoint's own
+    # when it stores int4, so that its experts are copied as stored.
+    fmt = quantization.ExpertFormat.parse(expert_format, group_size, "from_pretrained",
+                                          default_group_size=stored.group_size if stored.method == "int4" else 32)
     dtype = _model_dtype(dtype, config)
     device = _default_device(device)
 
@@ -169,12 +171,12 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
         model = _build_model(config, dtype)
     plan = _Plan(model, stored)
     patch_model(model, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base, owner_rank=owner_rank,
-                process_group=process_group, expert_format=expert_format, group_size=group_size)
+                process_group=process_group, expert_format=fmt)
     weights = plan.weights_of([ref for f in files for ref in tensor_refs(f)])
 
     rank, _ = discover_rank(process_group)
     experts = {p: model.get_submodule(p) for p in plan.experts_paths}
-    scale_dtype = _copied_int4_scale_dtype(weights, stored, expert_format, group_size)
+    scale_dtype = _copied_int4_scale_dtype(weights, stored, fmt.name, fmt.group_size)
     for kt in experts.values():
         materialize_experts(kt, device, scale_dtype=scale_dtype)
     todo = [w for w in weights if w.slot is None or experts[w.slot.path].is_owner]

@@ -82,7 +82,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             :mod:`kt_ops.quantization`), one module at a time, and the model's float copy of
             that module is dropped before the next: the extra memory at any moment is one
             module's experts. Quantized experts are frozen (no ``train_base``).
-        group_size: int4's input columns per scale (32, 64 or 128; default 32).
+        group_size: int4's input columns per scale (32, 64 or 128; default 32). ``expert_format``
+            may also be a parsed :class:`kt_ops.quantization.ExpertFormat` (then no group_size).
         expert_replica_group: one owner per node: ``process_group`` is the node's ranks and this
             the group of all nodes' owners, which average their expert gradients (see
             :class:`~kt_ops.KTMoE`).
@@ -107,10 +108,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         raise ValueError(f"patch_model: lora_alpha must be a finite number or None, got {lora_alpha!r}")
     if lora_alpha is None:
         lora_alpha = float(max(lora_rank, 1))
-    group_size = quantization.check_format(expert_format, group_size, "patch_model")
-    if expert_format is not None and train_base:
-        raise ValueError(f"patch_model: train_base=True cannot train quantized experts (expert_format={expert_format!r}): "
-                         "quantized base weights are frozen; train LoRA adapters (lora_rank > 0) instead")
+    fmt = quantization.ExpertFormat.parse(expert_format, group_size, "patch_model")  # once: passed down as is
+    fmt.check_trainable(train_base, "patch_model")
 
     targets = [(name, module) for name, module in model.named_modules() if is_experts_module(module)]
     if not targets:
@@ -124,17 +123,15 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             "(gate_up_proj [E, 2I, H], down_proj [E, H, I]).")
     for name, experts in targets:  # check every module before changing any
         why = experts_support(experts)
-        if why is None and expert_format == "int4":
+        if why is None and fmt.quantized:
             E, I, H = ExpertsLayout.of(experts).sizes(experts.gate_up_proj)
-            if H % group_size or I % group_size:
-                why = (f"int4 groups of {group_size} must divide hidden size {H} and intermediate size {I}; "
-                       "choose another group_size")
+            why = fmt.size_problem(H, I)
         if why is not None:
             raise ValueError(f"patch_model: {name}: {why}")
     for name, experts in targets:
         new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
-                               owner_rank=owner_rank, process_group=process_group, expert_format=expert_format,
-                               group_size=group_size, expert_replica_group=expert_replica_group)
+                               owner_rank=owner_rank, process_group=process_group, expert_format=fmt,
+                               expert_replica_group=expert_replica_group)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
@@ -151,8 +148,9 @@ def _top_k(experts: nn.Module, num_experts: int) -> int:
 
 
 def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
-                     owner_rank: int, process_group: Optional[dist.ProcessGroup], expert_format: Optional[str],
-                     group_size: Optional[int], expert_replica_group: Optional[dist.ProcessGroup]) -> KTExperts:
+                     owner_rank: int, process_group: Optional[dist.ProcessGroup],
+                     expert_format: quantization.ExpertFormat,
+                     expert_replica_group: Optional[dist.ProcessGroup]) -> KTExperts:
     layout = ExpertsLayout.of(experts)
     gate_up = experts.gate_up_proj
     E, I, H = layout.sizes(gate_up)
@@ -165,7 +163,7 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if rank == owner_rank else nullcontext()):
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
-                       dtype=gate_up.dtype, expert_format=expert_format, group_size=group_size,
+                       dtype=gate_up.dtype, expert_format=expert_format,
                        expert_replica_group=expert_replica_group, expert_bias=layout.has_bias,
                        **gating_of(experts))
     kt.gate_up_interleaved = layout.interleaved  # the order of PEFT's fused gate_up LoRA rows (adapters)
@@ -180,7 +178,7 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                 if b is not None:  # biases stay in the model's dtype, quantized experts or not
                     setattr(kt, name, nn.Parameter(b.detach().to(cpu).contiguous(), requires_grad=train_base))
             for name, w in weights.items():
-                if expert_format is None:
+                if not expert_format.quantized:
                     setattr(kt, name, nn.Parameter(w.to(cpu).contiguous(), requires_grad=train_base))
                 elif on_meta:
                     pass  # KTExperts was built on the meta device with the quantized layout
