@@ -16,11 +16,11 @@
 
 Importing this package does not import transformers or peft (they are imported lazily).
 """
-from kt_ops.hf.adapters import load_adapter, save_adapter
+from kt_ops.hf.adapters import save_adapter
 from kt_ops.hf.experts import KTExperts, experts_support, register_kt_experts
 from kt_ops.hf.loading import from_pretrained
 from kt_ops.hf.patch import patch_model, patched_experts
-from kt_ops.hf.peft_attention import get_peft_model
+from kt_ops.hf.peft_attention import get_peft_model, load_adapter
 
 __all__ = ["from_pretrained", "get_peft_model", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
            "register_kt_experts"]

@@ -38,7 +38,6 @@ from torch import Tensor, nn
 
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.patch import patched_blocks
-from kt_ops.hf.peft_attention import combined_adapter, get_peft_model, is_peft_model, peft_config_without_experts
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
@@ -273,50 +272,6 @@ def _adapter_config(model: nn.Module, r: int, alpha: float) -> dict:
     return config
 
 
-def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
-    """Load a PEFT expert-LoRA adapter (e.g. one written by :func:`save_adapter`, or by PEFT
-    from ``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`` on
-    the unpatched model) into a patched model, in place.
-
-    Reads ``adapter_dir/adapter_config.json`` and ``adapter_model.safetensors`` (or
-    ``adapter_model.bin``); copies the LoRA into the experts' ``{gate,up,down}_lora_{a,b}``
-    (see :mod:`kt_ops.hf.adapters` for the layout mapping) and sets the LoRA scale to PEFT's
-    (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``). Projections the adapter does
-    not target get ``B = 0``. On non-owner ranks only the configuration is checked and the
-    scale set (they hold no expert weights).
-
-    An adapter that also has ``target_modules`` (LoRA on attention, ..., as
-    :func:`save_adapter` writes from a PEFT-wrapped patched model) loads those through PEFT:
-    into ``model`` if it is a PEFT model, else into ``kt_ops.hf.get_peft_model(model, <the
-    adapter's LoraConfig without the experts>)``, which is returned.
-
-    Returns:
-        ``model`` (or the PEFT model wrapping it, see above).
-
-    Raises:
-        ValueError: ``model`` is not patched or its ``lora_rank`` differs from the adapter's
-            ``r``; ``adapter_dir`` is not a LoRA adapter, uses what kt_ops cannot represent
-            (DoRA, LoRA bias, rank/alpha patterns), or holds tensors that fit neither the
-            experts nor PEFT's modules.
-    """
-    peft_model = model if is_peft_model(model) else None
-    base = peft_model.get_base_model() if peft_model is not None else model
-    blocks = _blocks(base, "load_adapter")
-    config = read_adapter_config(adapter_dir)
-    r, alpha, scaling = _check_config(config, adapter_dir)
-    has_peft_part = bool(config.get("target_modules"))
-    owner = blocks[0][1].experts.is_owner
-    # A non-owner holds no expert LoRA: it reads the weights only for PEFT's part.
-    state = _read_adapter_weights(adapter_dir) if owner or has_peft_part else {}
-    if has_peft_part:
-        if peft_model is None:
-            peft_model = get_peft_model(base, peft_config_without_experts(config))
-        state, rest = _split_expert_keys(blocks, state)
-        _load_peft_part(peft_model, rest, adapter_dir)
-    load_adapter_state_dict(base, state if owner else {}, r=r, scaling=scaling, lora_alpha=alpha)
-    return peft_model if peft_model is not None else model
-
-
 def read_adapter_config(adapter_dir: str) -> dict:
     """``adapter_dir/adapter_config.json``; ValueError when there is none."""
     config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
@@ -389,3 +344,56 @@ def _check_config(config: dict, adapter_dir: str) -> tuple[int, float, float]:
                          f"{list(TARGET_PARAMETERS)} only")
     scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
     return r, float(alpha), float(scaling)
+
+
+def is_peft_model(model: nn.Module) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def _check_same_lora(peft_config, r: int, alpha: float, who: str) -> None:
+    """ValueError unless PEFT's LoRA has the experts' rank and alpha (one LoraConfig, one adapter)."""
+    if peft_config.r != r or not math.isclose(float(peft_config.lora_alpha), float(alpha)):
+        raise ValueError(f"{who}: peft_config has r={peft_config.r}, lora_alpha={peft_config.lora_alpha} but the "
+                         f"experts' LoRA has r={r}, lora_alpha={float(alpha):g}; one PEFT adapter holds one rank and "
+                         "alpha: use the same for both")
+
+
+def combined_adapter(peft_model, expert_state: dict, r: int, alpha: float) -> tuple[dict, dict]:
+    """``(state dict, adapter config)`` of one PEFT adapter with the PEFT LoRA of ``peft_model``
+    and kt's expert LoRA (``expert_state``: PEFT keys). ValueError when the two LoRAs' rank or
+    alpha differ (one LoraConfig holds one of each)."""
+    from peft import get_peft_model_state_dict
+
+    config = peft_model.peft_config[peft_model.active_adapter]
+    _check_same_lora(config, r, alpha, "save_adapter")
+    state = dict(get_peft_model_state_dict(peft_model))
+    overlap = sorted(set(state) & set(expert_state))
+    if overlap:
+        raise ValueError(f"save_adapter: PEFT's adapter already holds expert LoRA keys {overlap[:3]}")
+    state.update(expert_state)
+    fields = config.to_dict()
+    fields["target_parameters"] = list(TARGET_PARAMETERS)
+    fields["inference_mode"] = True
+    for k, v in fields.items():  # sets -> lists (what PeftConfig.save_pretrained does)
+        if isinstance(v, set):
+            fields[k] = sorted(v)
+    return state, fields
+
+
+def peft_config_without_experts(config: dict):
+    """The ``LoraConfig`` of an adapter's non-expert part (``target_parameters`` dropped)."""
+    from peft import LoraConfig
+
+    fields = {k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__}
+    fields.pop("target_parameters", None)
+    fields["inference_mode"] = False
+    return LoraConfig(**fields)
+
+
+def __getattr__(name: str):
+    # load_adapter lives in kt_ops.hf.peft_attention (it may wrap the model with PEFT); this
+    # module's old name for it stays.
+    if name == "load_adapter":
+        from kt_ops.hf.peft_attention import load_adapter
+        return load_adapter
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

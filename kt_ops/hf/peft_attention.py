@@ -9,21 +9,20 @@ experts' LoRA (so ``Trainer.save_model``, Trainer checkpoints and resuming carry
 the unpatched model with ``LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
 "experts.down_proj"])``: :func:`kt_ops.save_adapter` writes it from the PEFT-wrapped patched
 model, plain PEFT loads it into the unpatched model, :func:`kt_ops.load_adapter` into a patched
-one (wrapping it with PEFT when needed).
+one (wrapping it with PEFT when needed). This module holds :func:`load_adapter` for that reason;
+:mod:`kt_ops.hf.adapters` holds the adapter format and imports nothing from here.
 """
 from __future__ import annotations
 
-import math
 import os
 
 from torch import nn
 
 from kt_ops.distributed import expert_parameters, prepare_ddp
+from kt_ops.hf.adapters import (_blocks, _check_config, _check_same_lora, _load_peft_part, _read_adapter_weights,
+                                _split_expert_keys, is_peft_model, load_adapter_state_dict, load_expert_part,
+                                peft_config_without_experts, read_adapter_config, save_adapter)
 from kt_ops.hf.patch import patched_blocks
-
-
-def is_peft_model(model: nn.Module) -> bool:
-    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
 def get_peft_model(model: nn.Module, peft_config, **kwargs):
@@ -56,7 +55,6 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
 
     def load_adapter(model_id, adapter_name, *args, **kwargs):
         result = peft_load(model_id, adapter_name, *args, **kwargs)
-        from kt_ops.hf.adapters import load_expert_part, read_adapter_config
         if os.path.isdir(str(model_id)) and read_adapter_config(str(model_id)).get("target_parameters"):
             load_expert_part(peft_model.get_base_model(), str(model_id))
         for p in keep:
@@ -73,7 +71,6 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
         peft_save(save_directory, *args, **kwargs)
         blocks = patched_blocks(peft_model.get_base_model())
         if len(peft_model.peft_config) == 1 and blocks[0][1].experts.is_owner:
-            from kt_ops.hf.adapters import save_adapter
             save_adapter(peft_model, str(save_directory))
 
     peft_model.save_pretrained = save_pretrained
@@ -81,42 +78,45 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
     return peft_model
 
 
-def _check_same_lora(peft_config, r: int, alpha: float, who: str) -> None:
-    """ValueError unless PEFT's LoRA has the experts' rank and alpha (one LoraConfig, one adapter)."""
-    if peft_config.r != r or not math.isclose(float(peft_config.lora_alpha), float(alpha)):
-        raise ValueError(f"{who}: peft_config has r={peft_config.r}, lora_alpha={peft_config.lora_alpha} but the "
-                         f"experts' LoRA has r={r}, lora_alpha={float(alpha):g}; one PEFT adapter holds one rank and "
-                         "alpha: use the same for both")
+def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
+    """Load a PEFT expert-LoRA adapter (e.g. one written by :func:`save_adapter`, or by PEFT
+    from ``LoraConfig(target_parameters=["experts.gate_up_proj", "experts.down_proj"])`` on
+    the unpatched model) into a patched model, in place.
 
+    Reads ``adapter_dir/adapter_config.json`` and ``adapter_model.safetensors`` (or
+    ``adapter_model.bin``); copies the LoRA into the experts' ``{gate,up,down}_lora_{a,b}``
+    (see :mod:`kt_ops.hf.adapters` for the layout mapping) and sets the LoRA scale to PEFT's
+    (``lora_alpha / r``, or ``/ sqrt(r)`` with ``use_rslora``). Projections the adapter does
+    not target get ``B = 0``. On non-owner ranks only the configuration is checked and the
+    scale set (they hold no expert weights).
 
-def combined_adapter(peft_model, expert_state: dict, r: int, alpha: float) -> tuple[dict, dict]:
-    """``(state dict, adapter config)`` of one PEFT adapter with the PEFT LoRA of ``peft_model``
-    and kt's expert LoRA (``expert_state``: PEFT keys). ValueError when the two LoRAs' rank or
-    alpha differ (one LoraConfig holds one of each)."""
-    from peft import get_peft_model_state_dict
+    An adapter that also has ``target_modules`` (LoRA on attention, ..., as
+    :func:`save_adapter` writes from a PEFT-wrapped patched model) loads those through PEFT:
+    into ``model`` if it is a PEFT model, else into ``kt_ops.hf.get_peft_model(model, <the
+    adapter's LoraConfig without the experts>)``, which is returned.
 
-    config = peft_model.peft_config[peft_model.active_adapter]
-    _check_same_lora(config, r, alpha, "save_adapter")
-    state = dict(get_peft_model_state_dict(peft_model))
-    overlap = sorted(set(state) & set(expert_state))
-    if overlap:
-        raise ValueError(f"save_adapter: PEFT's adapter already holds expert LoRA keys {overlap[:3]}")
-    state.update(expert_state)
-    fields = config.to_dict()
-    from kt_ops.hf.adapters import TARGET_PARAMETERS
-    fields["target_parameters"] = list(TARGET_PARAMETERS)
-    fields["inference_mode"] = True
-    for k, v in fields.items():  # sets -> lists (what PeftConfig.save_pretrained does)
-        if isinstance(v, set):
-            fields[k] = sorted(v)
-    return state, fields
+    Returns:
+        ``model`` (or the PEFT model wrapping it, see above).
 
-
-def peft_config_without_experts(config: dict):
-    """The ``LoraConfig`` of an adapter's non-expert part (``target_parameters`` dropped)."""
-    from peft import LoraConfig
-
-    fields = {k: v for k, v in config.items() if k in LoraConfig.__dataclass_fields__}
-    fields.pop("target_parameters", None)
-    fields["inference_mode"] = False
-    return LoraConfig(**fields)
+    Raises:
+        ValueError: ``model`` is not patched or its ``lora_rank`` differs from the adapter's
+            ``r``; ``adapter_dir`` is not a LoRA adapter, uses what kt_ops cannot represent
+            (DoRA, LoRA bias, rank/alpha patterns), or holds tensors that fit neither the
+            experts nor PEFT's modules.
+    """
+    peft_model = model if is_peft_model(model) else None
+    base = peft_model.get_base_model() if peft_model is not None else model
+    blocks = _blocks(base, "load_adapter")
+    config = read_adapter_config(adapter_dir)
+    r, alpha, scaling = _check_config(config, adapter_dir)
+    has_peft_part = bool(config.get("target_modules"))
+    owner = blocks[0][1].experts.is_owner
+    # A non-owner holds no expert LoRA: it reads the weights only for PEFT's part.
+    state = _read_adapter_weights(adapter_dir) if owner or has_peft_part else {}
+    if has_peft_part:
+        if peft_model is None:
+            peft_model = get_peft_model(base, peft_config_without_experts(config))
+        state, rest = _split_expert_keys(blocks, state)
+        _load_peft_part(peft_model, rest, adapter_dir)
+    load_adapter_state_dict(base, state if owner else {}, r=r, scaling=scaling, lora_alpha=alpha)
+    return peft_model if peft_model is not None else model
