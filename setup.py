@@ -19,8 +19,9 @@ setup(
     name="kt_ops",
     version="0.1.0",
     description="torch.library custom ops for MoE fine-tuning with CPU-resident experts",
-    # kt_ops/meta_kernels is a link to meta_kernels/ (the product layout keeps shape functions
-    # there), so the fakes import as kt_ops.meta_kernels from a source tree and an install alike.
+    # The product layout keeps the shape functions in meta_kernels/; the Python fakes there are
+    # the package kt_ops.meta_kernels (kt_ops/__init__.py finds them in a source tree too).
+    package_dir={"kt_ops.meta_kernels": "meta_kernels"},
     packages=["kt_ops", "kt_ops.meta_kernels", "kt_ops.hf", "kt_ops.data", "kt_ops.finetune", "kt_ops.finetune.data"],
     package_data={"kt_ops.finetune.data": ["corpus.txt"]},  # the kt-finetune demo corpus
     python_requires=">=3.10",

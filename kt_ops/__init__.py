@@ -8,6 +8,21 @@ import os
 
 import torch  # noqa: F401  (the extension needs libtorch loaded first)
 
+
+def _import_meta_kernels_from_source_tree() -> None:
+    """``kt_ops.meta_kernels`` from the repository's ``meta_kernels/`` when this package runs from a
+    source tree on ``sys.path`` without being installed (an older build in a worktree, say)."""
+    import importlib.util
+    import sys
+
+    folder = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "meta_kernels")
+    spec = importlib.util.spec_from_file_location("kt_ops.meta_kernels", os.path.join(folder, "__init__.py"),
+                                                  submodule_search_locations=[folder])
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["kt_ops.meta_kernels"] = module
+    spec.loader.exec_module(module)
+
+
 if os.environ.get("KT_OPS_TEST_LIBRARY"):
     # A test build of the native library in place of the installed one: the AVX-512 kernels emulated on CPUs
     # without AVX-512 (tests/avx512_emulation.py).
@@ -16,7 +31,12 @@ else:
     from kt_ops import _C  # noqa: F401  (registers torch.ops.kt.* schemas and C++ kernels)
 from kt_ops import _kernels  # noqa: F401
 from kt_ops import _autograd  # noqa: F401
-from kt_ops import meta_kernels  # noqa: F401
+try:
+    import kt_ops.meta_kernels  # noqa: F401  (installed: setup.py maps meta_kernels/ to kt_ops.meta_kernels)
+except ModuleNotFoundError as error:
+    if error.name != "kt_ops.meta_kernels":
+        raise
+    _import_meta_kernels_from_source_tree()
 from kt_ops import collectives  # noqa: F401
 from kt_ops import scale_grad  # noqa: F401
 from kt_ops.cpu_isa import cpu_isa, set_cpu_isa, use_cpu_isa

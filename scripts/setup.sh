@@ -35,7 +35,11 @@ echo "$TORCH_VERSION" > build/.kt_ops_torch
 # KT_OPS_SKIP_EXTENSION: that install must not build the extension again in a temporary folder.
 # --use-pep517: setuptools' PEP 660 hook (the legacy `setup.py develop` path of current
 # setuptools re-invokes pip with isolation).
-if ! .venv/bin/python -m pip show -q kt_ops > /dev/null 2>&1; then
+# Again when setup.py changed (its packages and their folders are what the install maps).
+SETUP_HASH="$(sha256sum setup.py | cut -d' ' -f1)"
+if [ "$(cat .venv/.kt_ops_setup 2> /dev/null)" != "$SETUP_HASH" ] || \
+        ! .venv/bin/python -m pip show -q kt_ops > /dev/null 2>&1; then
     KT_OPS_SKIP_EXTENSION=1 .venv/bin/python -m pip install -q --disable-pip-version-check \
         --no-build-isolation --use-pep517 -e .
+    echo "$SETUP_HASH" > .venv/.kt_ops_setup
 fi
