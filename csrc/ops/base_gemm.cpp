@@ -244,7 +244,6 @@ void check_2d(const at::Tensor& t, const char* what) {
 
 }  // namespace
 
-bool native_bf16_gemms() { return active_cpu_isa() == CpuIsa::kAvx512Bf16; }
 
 const char* base_gemm_path(at::ScalarType dtype) {
   if (dtype != at::kBFloat16) return "mkl";

@@ -22,9 +22,7 @@
 
 namespace kt {
 
-// True when bf16 GEMMs on the active path are oneDNN's native ones (and may be pre-packed,
-// see packed_weights.h); false where kt_ops converts bf16 panels to float32.
-bool native_bf16_gemms();
+// native_bf16_gemms() (cpu_isa.h): whether bf16 GEMMs on the active path are oneDNN's own.
 
 // How the base GEMMs of `dtype` run on the active path: "mkl" (float32/float64),
 // "onednn_bf16" or "bf16_to_fp32_panels". Reported by the benchmarks.

@@ -28,6 +28,10 @@ CpuIsa parse_cpu_isa(const std::string& name, const char* what);
 
 void set_active_cpu_isa(CpuIsa isa);
 
+// True when bf16 GEMMs on the active path are oneDNN's native ones (and may be pre-packed,
+// see packed_weights.h); false where kt_ops converts bf16 panels to float32 (base_gemm.h).
+inline bool native_bf16_gemms() { return active_cpu_isa() == CpuIsa::kAvx512Bf16; }
+
 // True when oneDNN's cap on its instruction set (ONEDNN_MAX_CPU_ISA / DNNL_MAX_CPU_ISA) leaves
 // out AMX (AVX512_CORE_BF16 and below: emulating a CPU without AMX on one that has it), so that
 // kt_ops leaves its AMX kernels out too (amx_gemm.h).

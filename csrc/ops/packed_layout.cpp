@@ -5,7 +5,7 @@
 #include <mutex>
 #include <utility>
 
-#include "ops/base_gemm.h"
+#include "ops/cpu_isa.h"
 #include "ops/packed_weights.h"
 
 // ATen's accessors of an MKLDNN-layout tensor's buffer (ATen/native/mkldnn/MKLDNNCommon.h,

@@ -1,6 +1,6 @@
 #include "ops/packed_weights.h"
 
-#include "ops/base_gemm.h"
+#include "ops/cpu_isa.h"
 
 #include <ATen/Parallel.h>
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -15,7 +15,7 @@
 // with recomputation), so they are never packed there; the packed copy is dropped as soon as
 // the weights change or are freed. A set is only packed while all packed copies fit in a
 // budget (default a quarter of physical memory; KT_OPS_PACK_WEIGHTS_BUDGET_MB). bfloat16
-// only, and only on the avx512_bf16 path (native_bf16_gemms() in base_gemm.h: where oneDNN's
+// only, and only on the avx512_bf16 path (native_bf16_gemms() in cpu_isa.h: where oneDNN's
 // packed kernels are the fast path; without AVX-512 oneDNN refuses the bf16 reorder, and
 // KT_OPS_CPU_ISA=avx2 must choose as such a CPU does); off with KT_OPS_PACK_WEIGHTS=0 or
 // kt_ops.set_weight_packing(False).
