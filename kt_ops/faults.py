@@ -63,12 +63,7 @@ class _Channel:
             return self.failure
         if reported == 0:
             return None
-        messages = []
-        for r in range(self.world_size):
-            key = self.key(f"message/{r}")
-            if self.store.check([key]):
-                messages.append(f"rank {r} failed: {self.store.get(key).decode(errors='replace')}")
-        self.failure = "; ".join(messages) or "another rank failed"
+        self.failure = self._messages(range(self.world_size)) or "another rank failed"
         return self.failure
 
     def failure_of_others(self) -> Optional[str]:
@@ -76,12 +71,18 @@ class _Channel:
         try:
             if self.store.add(self.key("count"), 0) == 0:
                 return None
-            keys = [(r, self.key(f"message/{r}")) for r in range(self.world_size) if r != self.rank]
-            messages = [f"rank {r} failed: {self.store.get(k).decode(errors='replace')}"
-                        for r, k in keys if self.store.check([k])]
+            return self._messages(r for r in range(self.world_size) if r != self.rank) or None
         except Exception:  # noqa: BLE001  the store is gone with its host: nothing to read
             return None
-        return "; ".join(messages) or None
+
+    def _messages(self, ranks) -> str:
+        """The messages these ranks reported, in rank order, joined ("" when none did)."""
+        found = []
+        for r in ranks:
+            key = self.key(f"message/{r}")
+            if self.store.check([key]):
+                found.append(f"rank {r} failed: {self.store.get(key).decode(errors='replace')}")
+        return "; ".join(found)
 
 
 _channels: dict[str, _Channel] = {}
@@ -193,8 +194,7 @@ def fail_fast():
         if remote is not None and f"{type(error).__name__}: {error}" in remote:
             remote = None  # the same error on both ranks (a check every rank makes): this rank's own
         if remote is None and not origin_known:
-            report_failure(error)
-            channel.report(f"{type(error).__name__}: {error}")
+            report_failure(error)  # to every registered group, the default one's channel included
         try:
             dist.distributed_c10d._abort_process_group()  # every group, the default one included
         except Exception:  # noqa: BLE001  already gone: nothing left to release

@@ -5,6 +5,8 @@
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <torch/library.h>
 
+#include "ops/moe_args.h"
+
 namespace kt {
 namespace {
 
@@ -12,23 +14,20 @@ bool requires_grad(const c10::IValue& v) { return v.isTensor() && v.toTensor().r
 
 void moe_composite(const c10::OperatorHandle& op, torch::jit::Stack* stack) {
   static const c10::OperatorHandle forward = c10::Dispatcher::singleton().findSchemaOrThrow("kt::moe_forward", "");
-  const size_t num_args = op.schema().arguments().size();
-  const auto args = torch::jit::last(*stack, num_args);
+  MoeCall call(op, *stack);
+  const auto args = torch::jit::last(*stack, op.schema().arguments().size());
   // Inference (no grad mode, or no tensor argument requires grad) saves nothing.
   const bool save = at::GradMode::is_enabled() && std::any_of(args.begin(), args.end(), requires_grad);
   torch::jit::Stack forward_stack;
   for (const c10::Argument& a : forward.schema().arguments()) {
     if (a.name() == "save_activations") {
       forward_stack.emplace_back(save);
-      continue;
+    } else {
+      forward_stack.push_back(call.arg(a.name()));  // kt.moe's argument of that name
     }
-    const auto position = op.schema().argumentIndexWithName(a.name());
-    TORCH_INTERNAL_ASSERT(position.has_value(), "kt.moe has no argument ", a.name(), " of kt.moe_forward");
-    forward_stack.push_back(args[*position]);
   }
   forward.callBoxed(forward_stack);
-  torch::jit::drop(*stack, num_args);
-  torch::jit::push(*stack, std::move(forward_stack[0]));  // output; forward_stack[1]: the activations
+  call.finish(std::move(forward_stack[0]));  // the output; forward_stack[1] holds the activations
 }
 
 }  // namespace

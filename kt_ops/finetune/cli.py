@@ -6,7 +6,8 @@
 
 The model's experts are moved onto kt (``kt_ops.patch_model``, or ``kt_ops.hf.from_pretrained``
 straight from a ``--model`` checkpoint) with LoRA on the routed experts; everything else is
-frozen. Training is a stock ``transformers.Trainer`` (``kt_ops.finetune.training``): AdamW,
+frozen. Training is ``kt_ops.hf.trainer.KTTrainer``, a ``transformers.Trainer`` with kt's
+checkpoints and failure handling (``kt_ops.finetune.training``): AdamW,
 constant learning rate, gradient clipping, checkpoints (``--save-steps``, ``--resume``); the
 model is compiled in place with ``torch.compile(fullgraph=True)`` before the Trainer wraps it
 (``--backend``, inductor by default) and checkpointed under kt_ops' policy (``kt_ops.checkpoint_context_fn``: the CPU
@@ -50,7 +51,6 @@ import dataclasses
 import json
 import os
 import re
-import sys
 import warnings
 from typing import Callable, Optional
 

@@ -36,15 +36,11 @@ class WindowDataset(torch.utils.data.Dataset):
 
     def __init__(self, tokens: Tensor, offsets: Tensor, seq_len: int):
         self.tokens, self.offsets, self.seq_len = tokens, offsets.reshape(-1), seq_len
-        self.fail_at_item, self._items_read = None, 0  # the fault-injection hook's (item, message)
 
     def __len__(self) -> int:
         return len(self.offsets)
 
     def __getitem__(self, i: int) -> dict:
-        if self.fail_at_item is not None and self._items_read == self.fail_at_item[0]:
-            raise RuntimeError(self.fail_at_item[1])
-        self._items_read += 1
         start = int(self.offsets[i])
         window = self.tokens[start:start + self.seq_len + 1]
         return {"input_ids": window, "labels": window}
@@ -148,8 +144,8 @@ def train_with_trainer(model: nn.Module, dataset: WindowDataset, args, label: st
     recorder = _callbacks()(label, args.batch_size * args.seq_len, show=not args.no_progress)
     if compile_backend is not None:
         model.compile(backend=compile_backend, fullgraph=True)
-    injected = fault_injection(os.environ.get(FAULT_VARIABLE), model, dataset, training_args.process_index,
-                               per_device)
+    injected, dataset = fault_injection(os.environ.get(FAULT_VARIABLE), model, dataset,
+                                        training_args.process_index, per_device)
     trainer = KTTrainer(model=model, args=training_args, train_dataset=dataset,
                         callbacks=[recorder, *injected, KTAdapterCallback()])
     trainer.remove_callback(PrinterCallback)  # the progress bar shows loss and tokens/s instead
@@ -164,12 +160,29 @@ FAULT_VARIABLE = "KT_OPS_FINETUNE_FAULT"
 FAULTS = ("forward", "kt", "data", "kill", "kill-in-save")
 
 
+class _FailingDataset(torch.utils.data.Dataset):
+    """``dataset`` whose item number ``fail_at`` (counted in reading order) raises instead."""
+
+    def __init__(self, dataset: torch.utils.data.Dataset, fail_at: int, message: str):
+        self.dataset, self.fail_at, self.message, self.items_read = dataset, fail_at, message, 0
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i: int) -> dict:
+        if self.items_read == self.fail_at:
+            raise RuntimeError(self.message)
+        self.items_read += 1
+        return self.dataset[i]
+
+
 def fault_injection(spec: Optional[str], model: nn.Module, dataset: WindowDataset, rank: int,
-                    items_per_step: int) -> list:
-    """The test hook of the module's docstring: the callbacks to add (the dataset and the model
-    are armed in place). ``[]`` without ``spec`` or for another rank."""
+                    items_per_step: int) -> tuple[list, torch.utils.data.Dataset]:
+    """The test hook of the module's docstring: ``(callbacks to add, the dataset to train on)``
+    (the model is armed in place). No callbacks and ``dataset`` itself without ``spec`` or for
+    another rank."""
     if not spec:
-        return []
+        return [], dataset
     what, _, where = spec.partition("@")
     try:
         target_rank, step = (int(v) for v in where.split(":"))
@@ -178,7 +191,7 @@ def fault_injection(spec: Optional[str], model: nn.Module, dataset: WindowDatase
     if what not in FAULTS or step is None or step < 1:
         raise ValueError(f"{FAULT_VARIABLE}={spec!r}: expected WHAT@RANK:STEP with WHAT one of {FAULTS}")
     if rank != target_rank:
-        return []
+        return [], dataset
     from transformers import TrainerCallback
 
     message = f"injected {what} failure at step {step} on rank {rank} ({FAULT_VARIABLE})"
@@ -206,5 +219,5 @@ def fault_injection(spec: Optional[str], model: nn.Module, dataset: WindowDatase
     if what == "forward":
         model.register_forward_pre_hook(forward_fault)
     if what == "data":
-        dataset.fail_at_item = (step - 1) * items_per_step, message
-    return [Inject()]
+        dataset = _FailingDataset(dataset, (step - 1) * items_per_step, message)
+    return [Inject()], dataset

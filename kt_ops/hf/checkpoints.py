@@ -60,10 +60,9 @@ def job_layout(model: nn.Module) -> JobLayout:
     """The running job's layout. A collective when there are several ranks: every rank calls it."""
     from kt_ops.distributed import _kt_layers
 
-    rank, world = _world()
     owns = any(layer.is_owner for _, layer in _kt_layers(model))
     owners = tuple(r for r, o in enumerate(all_ranks(owns)) if o)
-    return JobLayout(world, owners)
+    return JobLayout(_world()[1], owners)
 
 
 def optimizer_file(rank: int) -> str:
@@ -109,12 +108,14 @@ def read_layout(folder: str) -> tuple[Optional[JobLayout], list[str], Optional[s
 
 class CheckpointReader:
     """One rank's check of a checkpoint folder (every file listed is there, this rank's own
-    files and the shared ones load); keeps this rank's optimizer state for the resume."""
+    files and the shared ones load); keeps this rank's optimizer and scheduler states for the
+    resume, so that the Trainer does not read them again."""
 
     def __init__(self, folder: str, rank: int):
         self.folder, self.rank = folder, rank
         self.layout: Optional[JobLayout] = None
         self.optimizer_state: Optional[dict] = None
+        self.scheduler_state: Optional[dict] = None
 
     def problems(self) -> list[str]:
         if not os.path.isdir(self.folder):
@@ -135,14 +136,17 @@ class CheckpointReader:
         if TRAINER_STATE not in files:
             found.append(f"{TRAINER_STATE} is not listed in {LAYOUT_FILE}")
         if self.rank < self.layout.world_size:  # otherwise the layout check refuses it
-            own = optimizer_file(self.rank)
-            if own in files:
-                found += self._check(own, lambda: setattr(self, "optimizer_state", _torch_load(os.path.join(
-                    self.folder, own))))
-            for name in (SCHEDULER, rng_file(self.rank, self.layout.world_size)):
+            kept = {optimizer_file(self.rank): "optimizer_state", SCHEDULER: "scheduler_state",
+                    rng_file(self.rank, self.layout.world_size): None}  # the RNG state: the Trainer reads it
+            for name, attribute in kept.items():
                 if name in files:
-                    found += self._check(name, lambda: _torch_load(os.path.join(self.folder, name)))
+                    found += self._check(name, lambda: self._load(name, attribute))
         return found
+
+    def _load(self, name: str, attribute: Optional[str]) -> None:
+        state = _torch_load(os.path.join(self.folder, name))
+        if attribute is not None:
+            setattr(self, attribute, state)
 
     @staticmethod
     def _check(name: str, read) -> list[str]:

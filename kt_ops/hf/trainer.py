@@ -80,16 +80,15 @@ class KTAdapterCallback(TrainerCallback):
             os.makedirs(folder, exist_ok=True)
             checkpoints.save_atomically(optimizer.state_dict(), os.path.join(folder, checkpoints.optimizer_file(rank)))
         experts = patched_experts(model) if model is not None else []
+        has_lora = bool(experts) and bool(experts[0][1].lora_rank)
         owners = self.layout.expert_owners if self.layout is not None else ()
-        first_owner = owners[0] if owners else 0
-        writes_adapter = bool(experts) and experts[0][1].lora_rank and rank == first_owner
-        if writes_adapter and experts[0][1].is_owner:
+        if has_lora and experts[0][1].is_owner and rank == (owners[0] if owners else 0):  # one writer
             save_adapter(model, folder)
         if rank == 0 and self.layout is not None:
             per_rank = [checkpoints.rng_file(r, world) for r in range(world)]
             if own_optimizers:
                 per_rank += [checkpoints.optimizer_file(r) for r in range(world)]
-            if experts and experts[0][1].lora_rank:
+            if has_lora:
                 per_rank += list(checkpoints.ADAPTER_FILES)
             checkpoints.write_layout(folder, self.layout, per_rank)
         return control
@@ -130,12 +129,12 @@ class KTTrainerMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         reader = self._kt_resume
         if (checkpoint is None or reader is None or reader.folder != checkpoint or reader.optimizer_state is None
-                or not _own_optimizer_files(self.args)):
+                or reader.scheduler_state is None or not _own_optimizer_files(self.args)):
             return super()._load_optimizer_and_scheduler(checkpoint)
-        # This rank's own optimizer state, already read and checked by open_for_resume.
+        # This rank's own optimizer state and the scheduler's, already read and checked by open_for_resume.
         self.optimizer.load_state_dict(reader.optimizer_state)
-        reader.optimizer_state = None
-        self.lr_scheduler.load_state_dict(checkpoints._torch_load(os.path.join(checkpoint, checkpoints.SCHEDULER)))
+        self.lr_scheduler.load_state_dict(reader.scheduler_state)
+        reader.optimizer_state = reader.scheduler_state = None
 
 
 class KTTrainer(KTTrainerMixin, transformers.Trainer):
