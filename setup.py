@@ -1,8 +1,8 @@
 """Build kt_ops: the Python package plus one C++ extension, kt_ops._C.
 
-The extension holds the op schemas (csrc/ops/registration.cpp), the CPU kernels
-(csrc/ops/) and the Meta/fake kernels (meta_kernels/). Build it against the
-torch already installed, without pip's build isolation:
+The extension holds the op schemas (csrc/ops/registration.cpp), the CPU code of csrc/ by layer
+(platform/, kernels/, gemm/, ops/) and the Meta/fake kernels (meta_kernels/). Build it against
+the torch already installed, without pip's build isolation:
 
     pip install --no-build-isolation -e .
 """
@@ -13,7 +13,7 @@ from setuptools import setup
 from torch.utils.cpp_extension import BuildExtension, CppExtension
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-sources = sorted(glob.glob("csrc/ops/*.cpp")) + sorted(glob.glob("meta_kernels/*.cpp"))
+sources = sorted(glob.glob("csrc/*/*.cpp")) + sorted(glob.glob("meta_kernels/*.cpp"))
 
 setup(
     name="kt_ops",

@@ -1,4 +1,4 @@
-"""What recycling kt.moe's large per-call buffers (csrc/ops/large_alloc.h) saves: the same
+"""What recycling kt.moe's large per-call buffers (csrc/platform/large_alloc.h) saves: the same
 step with the buffers of the previous step reused, and with them unmapped first
 (kt_ops.release_cached_buffers()), so that the step writes fresh memory as it would without
 the cache. The two alternate in one process, so both see the same machine load.

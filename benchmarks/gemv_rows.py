@@ -1,6 +1,6 @@
 """Few-row projections on one thread: kt's row dot products (thin_gemm_nt) against the GEMM
 kt.moe uses for larger blocks on this path (torch.mm = oneDNN on avx512_bf16; elsewhere the
-bf16-to-fp32 panel GEMM of csrc/ops/base_gemm.h) on Qwen3-30B-A3B expert gate weights, at 1..16 rows; and the weight gradient
+bf16-to-fp32 panel GEMM of csrc/gemm/base_gemm.h) on Qwen3-30B-A3B expert gate weights, at 1..16 rows; and the weight gradient
 dW = dᵀ·x of such a projection as small_gemm's outer-product sum against torch.mm. These are
 the measurements behind forward's GEMV cut (kGemvMaxRows in csrc/ops/moe_forward.cpp) and
 backward's outer-product cut (kOuterProductMaxRows in csrc/ops/moe_backward.cpp).

@@ -1,4 +1,4 @@
-"""Large per-call buffers kept for reuse (the native side is ``csrc/ops/large_alloc.h``).
+"""Large per-call buffers kept for reuse (the native side is ``csrc/platform/large_alloc.h``).
 
 kt.moe's weight gradients, saved activations and outputs of 8 MiB or more live in memory
 mappings that are recycled when the tensors are freed (``zero_grad(set_to_none=True)``, the

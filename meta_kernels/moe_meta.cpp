@@ -8,7 +8,7 @@
 
 #include "ops/moe_args.h"
 #include "ops/moe_checks.h"
-#include "ops/swiglu.h"
+#include "kernels/swiglu.h"
 
 namespace kt {
 namespace {

@@ -1,5 +1,5 @@
 """The test build of kt_ops' native library that runs the avx512 and avx512_bf16 kernels on CPUs
-without AVX-512 (csrc/ops/avx512_emulation.h: SIMDe's AVX-512 intrinsics over AVX2), so that every
+without AVX-512 (csrc/platform/avx512_emulation.h: SIMDe's AVX-512 intrinsics over AVX2), so that every
 path's kernels are checked against their reference loops whatever CPU runs the tests.
 
 It is the same sources compiled with -DKT_OPS_EMULATE_AVX512 -mavx2 -mfma -mf16c into
@@ -76,7 +76,7 @@ def _build_here() -> None:
 
     os.makedirs(BUILD_DIR, exist_ok=True)
     header = _precompile_torch_headers()
-    sources = sorted(glob.glob(os.path.join(ROOT, "csrc/ops/*.cpp"))) + \
+    sources = sorted(glob.glob(os.path.join(ROOT, "csrc/*/*.cpp"))) + \
         sorted(glob.glob(os.path.join(ROOT, "meta_kernels/*.cpp")))
     load(name=NAME, sources=sources, extra_cflags=FLAGS + ["-include", header, "-Winvalid-pch"],
          extra_ldflags=["-fopenmp"], extra_include_paths=[os.path.join(ROOT, "csrc")], build_directory=BUILD_DIR,

@@ -1,6 +1,6 @@
 """The avx512 and avx512_bf16 kernels (AMX's too) on CPUs without them: every test of those paths (the
 tests whose id names avx512), run in a child process on the emulated build of the native library
-(tests/avx512_emulation.py, csrc/ops/avx512_emulation.h), so that CI checks them against their
+(tests/avx512_emulation.py, csrc/platform/avx512_emulation.h), so that CI checks them against their
 reference loops and float64 whatever CPU it gets. On CPUs with AVX512-BF16 and AMX the suite runs
 them natively and this skips; with AVX512-BF16 alone, it runs the AMX tests.
 

@@ -1,4 +1,4 @@
-"""kt.moe's base-weight GEMMs on CPUs without native bf16 GEMMs (csrc/ops/base_gemm.h): the
+"""kt.moe's base-weight GEMMs on CPUs without native bf16 GEMMs (csrc/gemm/base_gemm.h): the
 bf16-to-float32 panel GEMMs and their conversion kernels against float64 and torch on every
 instruction-set path, the path each ISA chooses, and bf16 kt.moe called many times in a row
 (packing never entered off the avx512_bf16 path) in every training mode, on every path."""

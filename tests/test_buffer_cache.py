@@ -1,4 +1,4 @@
-"""Large per-call buffers recycled across calls (csrc/ops/large_alloc.h): a recycled buffer
+"""Large per-call buffers recycled across calls (csrc/platform/large_alloc.h): a recycled buffer
 holds the previous call's values, so every element the op returns must be written or zeroed
 again. Buffers here are poisoned with NaN before they are freed; the next call must give the
 float64 reference's values (and exact zeros for the experts that got no rows), bit for bit

@@ -1,4 +1,4 @@
-"""The hand-written CPU kernels (csrc/ops/small_gemm.cpp, swiglu.cpp) on every instruction-set
+"""The hand-written CPU kernels (csrc/kernels/small_gemm.cpp, swiglu.cpp) on every instruction-set
 path this CPU runs, against float64 formulas and against each other, plus the path switch:
 kt.moe itself on each path, KT_OPS_CPU_ISA, and errors for unknown or unsupported paths."""
 import os

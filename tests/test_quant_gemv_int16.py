@@ -1,5 +1,5 @@
 """The avx2 path's decode GEMV for bf16 activations on int4 / int8 weights
-(csrc/ops/quant_gemv_int16.cpp: x as 16-bit block floating point per group of columns, integer
+(csrc/kernels/quant_gemv_int16.cpp: x as 16-bit block floating point per group of columns, integer
 dot products with vpmaddwd): its float32 output, before quant_gemv_nt's rounding to bf16,
 against float64 on every byte value; the bound on its rounding of values far below their
 group's largest; its refusals (NaN, inf, groups too small for its exponents), after which the

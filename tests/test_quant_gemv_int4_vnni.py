@@ -1,5 +1,5 @@
 """The avx512_bf16 path's decode GEMV for bf16 activations on int4 weights through AVX512-VNNI
-(csrc/ops/quant_gemv_int4_vnni.cpp: x as 16-bit block floating point per 32 columns, vpdpwssd
+(csrc/kernels/quant_gemv_int4_vnni.cpp: x as 16-bit block floating point per 32 columns, vpdpwssd
 on the nibbles): its float32 output, before quant_gemv_nt's rounding to bf16, against float64 on
 every byte value; the bound on its rounding of values far below their group's largest; its
 refusals (NaN, inf, groups too small for their exponents), after which the other kernels give

@@ -1,4 +1,4 @@
-"""thin_gemm_nn (csrc/ops/thin_gemm_nn.h): backward's decode-sized input gradients d·w (+ addend)
+"""thin_gemm_nn (csrc/kernels/thin_gemm_nn.h): backward's decode-sized input gradients d·w (+ addend)
 streamed over bf16 or quantized weights. The AVX2 kernel and the reference loop against float64
 on every byte value of each format (fp8 NaN codes and subnormals too), and that kt.moe's
 backward routes blocks of at most 4 rows through it on the avx2 path and keeps the panel GEMMs

@@ -1,4 +1,4 @@
-"""Pre-packed expert weights (csrc/ops/packed_weights.h): packed after three calls with the
+"""Pre-packed expert weights (csrc/gemm/packed_weights.h): packed after three calls with the
 same weights, results equal to the unpacked op and the float64 reference, never stale after
 an in-place update, never packed when weights change every step, dropped when freed or
 switched off.

@@ -3,22 +3,22 @@
 // Tests use them to run every path on one machine.
 #include <torch/library.h>
 
-#include "ops/base_gemm.h"
-#include "ops/convert_rows.h"
-#include "ops/cpu_isa.h"
-#include "ops/dequantize.h"
-#include "ops/amx_gemm.h"
-#include "ops/dequantize_packed.h"
-#include "ops/expert_weights.h"
-#include "ops/quant_gemv.h"
-#include "ops/large_alloc.h"
+#include "gemm/base_gemm.h"
+#include "kernels/convert_rows.h"
+#include "platform/cpu_isa.h"
+#include "kernels/dequantize.h"
+#include "gemm/amx_gemm.h"
+#include "kernels/dequantize_packed.h"
+#include "kernels/expert_weights.h"
+#include "kernels/quant_gemv.h"
+#include "platform/large_alloc.h"
 #include "ops/moe_checks.h"
-#include "ops/packed_layout.h"
-#include "ops/packed_weights.h"
-#include "ops/small_gemm.h"
-#include "ops/swiglu.h"
-#include "ops/thin_gemm.h"
-#include "ops/thin_gemm_nn.h"
+#include "gemm/packed_layout.h"
+#include "gemm/packed_weights.h"
+#include "kernels/small_gemm.h"
+#include "kernels/swiglu.h"
+#include "kernels/thin_gemm.h"
+#include "kernels/thin_gemm_nn.h"
 
 namespace kt {
 namespace {
@@ -250,7 +250,7 @@ TORCH_LIBRARY_FRAGMENT(kt, m) {
   m.def("_panel_mm_nn(Tensor d, Tensor w, Tensor? addend) -> Tensor");
   m.def("_panel_mm_tn(Tensor a, Tensor b) -> Tensor");
   m.def("_convert_rows(Tensor src, ScalarType dtype, str isa) -> Tensor");
-  // One expert's quantized weight (csrc/ops/expert_weights.h) dequantized to float32 or bf16
+  // One expert's quantized weight (csrc/kernels/expert_weights.h) dequantized to float32 or bf16
   // on a path (columns [col0, col0 + cols), all of them for cols = -1), its decode GEMV on a
   // path, its panel GEMMs x·wᵀ, d·w [+ addend] (active path), and the route those take.
   m.def("_dequantize(Tensor weight, Tensor scale, str isa, ScalarType dtype=float, int col0=0, int cols=-1) -> Tensor");

@@ -14,13 +14,13 @@
 // threads write the same gradient. Unrequested gradients are neither computed nor allocated.
 #include <torch/library.h>
 
-#include "ops/base_gemm.h"
-#include "ops/large_alloc.h"
+#include "gemm/base_gemm.h"
+#include "platform/large_alloc.h"
 #include "ops/moe_common.h"
-#include "ops/packed_weights.h"
-#include "ops/small_gemm.h"
-#include "ops/swiglu.h"
-#include "ops/thin_gemm.h"
+#include "gemm/packed_weights.h"
+#include "kernels/small_gemm.h"
+#include "kernels/swiglu.h"
+#include "kernels/thin_gemm.h"
 
 namespace kt {
 namespace {

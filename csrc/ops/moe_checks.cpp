@@ -1,6 +1,6 @@
 #include "ops/moe_checks.h"
 
-#include "ops/swiglu.h"
+#include "kernels/swiglu.h"
 
 #include <cmath>
 #include <string>

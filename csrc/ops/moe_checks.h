@@ -9,9 +9,9 @@
 
 #include <array>
 
-#include "ops/expert_weights.h"
+#include "kernels/expert_weights.h"
 #include "ops/moe_args.h"
-#include "ops/swiglu.h"
+#include "kernels/swiglu.h"
 
 namespace kt {
 

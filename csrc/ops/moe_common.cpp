@@ -1,9 +1,9 @@
 #include "ops/moe_common.h"
 
-#include "ops/base_gemm.h"
+#include "gemm/base_gemm.h"
 
-#include "ops/small_gemm.h"
-#include "ops/thin_gemm.h"
+#include "kernels/small_gemm.h"
+#include "kernels/thin_gemm.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>

@@ -3,7 +3,7 @@
 
 #include <ATen/ATen.h>
 
-#include "ops/expert_weights.h"
+#include "kernels/expert_weights.h"
 #include "ops/moe_checks.h"
 #include "ops/routing.h"
 

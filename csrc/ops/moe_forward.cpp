@@ -16,12 +16,12 @@
 
 #include <algorithm>
 
-#include "ops/base_gemm.h"
-#include "ops/large_alloc.h"
+#include "gemm/base_gemm.h"
+#include "platform/large_alloc.h"
 #include "ops/moe_common.h"
-#include "ops/packed_weights.h"
-#include "ops/swiglu.h"
-#include "ops/thin_gemm.h"
+#include "gemm/packed_weights.h"
+#include "kernels/swiglu.h"
+#include "kernels/thin_gemm.h"
 
 namespace kt {
 namespace {

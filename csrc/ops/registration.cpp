@@ -22,12 +22,12 @@ PyObject* PyInit__C(void) {
   "Tensor? up_lora_a=None, Tensor? up_lora_b=None, "                                       \
   "Tensor? down_lora_a=None, Tensor? down_lora_b=None, float lora_scale=1.0"
 
-// Scales of quantized base weights (csrc/ops/expert_weights.h: a float8_e4m3fn, int8 or
+// Scales of quantized base weights (csrc/kernels/expert_weights.h: a float8_e4m3fn, int8 or
 // uint8 (int4) gate_proj / up_proj / down_proj comes with its scale), last in every schema so
 // that calls on dense weights are unchanged.
 #define KT_SCALE_ARGS "Tensor? gate_scale=None, Tensor? up_scale=None, Tensor? down_scale=None"
 
-// The gating (csrc/ops/swiglu.h): the clamp of SwiGLU variants with a swiglu_limit, the
+// The gating (csrc/kernels/swiglu.h): the clamp of SwiGLU variants with a swiglu_limit, the
 // gate's activation ('silu', 'gelu_tanh' or 'swigluoai') and swigluoai's alpha; after the
 // scales for the same reason.
 #define KT_GATING_ARGS "float? swiglu_limit=None, str activation=\"silu\", float? swiglu_alpha=None"
@@ -94,14 +94,14 @@ TORCH_LIBRARY(kt, m) {
   // owner's expert gradients DDP's average-over-ranks meaning).
   m.def("scale_grad(Tensor self, float scale) -> Tensor", {at::Tag::pt2_compliant_tag});
 
-  // Instruction set of the hand-written CPU kernels (csrc/ops/cpu_isa.h): the active one,
+  // Instruction set of the hand-written CPU kernels (csrc/platform/cpu_isa.h): the active one,
   // the best this CPU supports, and a setter (portable | avx2 | avx512 | avx512_bf16 | auto).
   m.def("_cpu_isa() -> str");
   m.def("_best_cpu_isa() -> str");
   m.def("_set_cpu_isa(str isa) -> ()");
-  // How kt.moe's base-weight GEMMs of a dtype run on the active path (csrc/ops/base_gemm.h).
+  // How kt.moe's base-weight GEMMs of a dtype run on the active path (csrc/gemm/base_gemm.h).
   m.def("_base_gemm_path(ScalarType dtype) -> str");
-  // Pre-packed expert weights (csrc/ops/packed_weights.h): switch, and {sets, bytes} cached.
+  // Pre-packed expert weights (csrc/gemm/packed_weights.h): switch, and {sets, bytes} cached.
   m.def("_set_weight_packing(bool enabled) -> ()");
   m.def("_set_amx(bool enabled) -> ()");
   m.def("_amx_available() -> bool");
@@ -109,7 +109,7 @@ TORCH_LIBRARY(kt, m) {
   m.def("_weight_packing_enabled() -> bool");
   m.def("_packed_weights_info() -> int[]");
   m.def("_release_packed_weights() -> ()");
-  // Large per-call buffers kept for reuse (csrc/ops/large_alloc.h): {buffers, bytes} idle, release.
+  // Large per-call buffers kept for reuse (csrc/platform/large_alloc.h): {buffers, bytes} idle, release.
   m.def("_cached_buffers_info() -> int[]");
   m.def("_release_cached_buffers() -> ()");
   // The test-only kernels (_small_gemm, _dequantize, _quant_gemv_nt, ...): their own fragment of
