@@ -25,6 +25,7 @@
 #include "kernels/dequantize.h"
 #include "kernels/quant_gemv_internal.h"
 #include "platform/simd.h"
+#include "platform/vec.h"
 #include "platform/x86_intrinsics.h"
 
 namespace kt {
@@ -63,11 +64,12 @@ KT_TARGET_AVX2 inline void decode_fp8x16(const uint8_t* p, __m256& lo, __m256& h
 
 // int4, 16 columns from 8 bytes: each byte zero-extended to 32 bits, its low nibble (even
 // column) and high nibble (odd column) converted to float: q + 8 in 0..15. The 8 is
-// subtracted per group through the group's sum of x (int4_group). lo holds columns 0, 2, ..,
-// 14 and hi 1, 3, .., 15: x is permuted alike (int4_permuted_x), the dot product unchanged.
+// subtracted per group through the group's sum of x (int4_group of quant_gemv_int4-inl.h). lo
+// holds columns 0, 2, .., 14 and hi 1, 3, .., 15: x is permuted alike (int4_permuted_x), the
+// dot product unchanged.
 // 5 instructions per 16 values, two of them shuffles (the nibble-table decode it replaced
 // needed 11 per 32, eight of them shuffles).
-KT_TARGET_AVX2 inline void decode_int4x16(const uint8_t* p, __m256& lo, __m256& hi) {
+KT_TARGET_AVX2 inline void decode_int4(const uint8_t* p, __m256& lo, __m256& hi) {
   const __m256i d = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
   lo = _mm256_cvtepi32_ps(_mm256_and_si256(d, _mm256_set1_epi32(0x0f)));
   hi = _mm256_cvtepi32_ps(_mm256_srli_epi32(d, 4));
@@ -275,71 +277,11 @@ KT_TARGET_AVX2 bool qgemv::scale_x_by_blocks(const float* x, int64_t M, int64_t 
 
 namespace {
 
-// One int4 group of G columns (its bytes at p, its scale at s): in two chains per x row, the
-// first starting from -8 · (the group's sum of x) spread over 8 lanes, so that the chains add
-// up to sum(x · (q + 8)) - 8 · sum(x) = sum(x · q); times the scale, added to chain J of the
-// row's total.
-template <int M, int C, int G, int J>
-KT_TARGET_AVX2 inline void int4_group(const float* x, int64_t K, const uint8_t* p, const float* s,
-                                      const float* neg_sums, int64_t groups, __m256 (&total)[M][C]) {
-  __m256 part[M][2];
-  KT_UNROLL for (int m = 0; m < M; ++m) {
-    part[m][0] = _mm256_loadu_ps(neg_sums + m * groups * 8);
-    part[m][1] = _mm256_setzero_ps();
-  }
-  KT_UNROLL for (int c = 0; c < G; c += 16) {
-    __m256 lo, hi;
-    decode_int4x16(p + c / 2, lo, hi);
-    KT_UNROLL for (int m = 0; m < M; ++m) {
-      part[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c), lo, part[m][0]);
-      part[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(x + m * K + c + 8), hi, part[m][1]);
-    }
-  }
-  const __m256 sv = _mm256_broadcast_ss(s);
-  KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm256_fmadd_ps(sv, _mm256_add_ps(part[m][0], part[m][1]), total[m][J]);
-}
-
-// Groups of G columns, scales of dtype bf16 (Bf16) or float32: both compile-time, so that a
-// group is straight-line code. Group gi goes to chain gi % C, unrolled by C so that the totals
-// stay in registers. x permuted and the negated group sums from int4_permuted_x.
-template <int M, int G, bool Bf16>
-KT_TARGET_AVX2 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
-                                     float* out) {
-  constexpr int C = qgemv::kTotalChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  const void* scales = w.scale.const_data_ptr();
-  const int64_t ahead = prefetch_ahead_rows(ld, 1);
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = qgemv::row_scales<Bf16>(scales, r * groups, groups, scale_buffer);
-    __m256 total[M][C];
-    KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm256_setzero_ps();
-    int64_t gi = 0;
-    for (; gi + C <= groups; gi += C) {
-      if (row_ahead != nullptr) prefetch_lines(row_ahead, gi * (G / 2), (gi + C) * (G / 2));
-      const float* xg = x + gi * G;
-      const float* ng = neg_sums + gi * 8;
-      const uint8_t* pg = row + gi * (G / 2);
-      int4_group<M, C, G, 0>(xg, K, pg, s + gi, ng, groups, total);
-      if constexpr (C > 1) int4_group<M, C, G, (C > 1)>(xg + G, K, pg + G / 2, s + gi + 1, ng + 8, groups, total);
-      if constexpr (C > 2) {
-        int4_group<M, C, G, 2 * (C > 2)>(xg + 2 * G, K, pg + G, s + gi + 2, ng + 16, groups, total);
-        int4_group<M, C, G, 3 * (C > 2)>(xg + 3 * G, K, pg + 3 * G / 2, s + gi + 3, ng + 24, groups, total);
-      }
-    }
-    for (; gi < groups; ++gi) {
-      int4_group<M, C, G, 0>(x + gi * G, K, row + gi * (G / 2), s + gi, neg_sums + gi * 8, groups, total);
-    }
-    __m256 sum[M];
-    KT_UNROLL for (int m = 0; m < M; ++m) {
-      sum[m] = total[m][0];
-      KT_UNROLL for (int j = 1; j < C; ++j) sum[m] = _mm256_add_ps(sum[m], total[m][j]);
-    }
-    store_row<M>(sum, out, R, r);
-  }
-}
+// The int4 kernels at 8 lanes: the body is written once for both widths (the AVX-512 one is
+// quant_gemv_avx512.cpp's).
+#define KT_VEC_TARGET KT_TARGET_AVX2
+#include "kernels/quant_gemv_int4-inl.h"
+#undef KT_VEC_TARGET
 
 // The AVX2 kernels for the drivers of quant_gemv_internal.h.
 struct Avx2Kernels {
@@ -349,7 +291,7 @@ struct Avx2Kernels {
   template <int M, int G, bool Bf16>
   static void int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
                           float* out) {
-    gemv_int4_groups<M, G, Bf16>(x, neg_sums, w, scale_buffer, out);
+    gemv_int4_groups<simd::F32x8, M, G, Bf16>(x, neg_sums, w, scale_buffer, out);
   }
 };
 

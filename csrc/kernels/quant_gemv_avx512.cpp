@@ -10,6 +10,7 @@
 // fp8 bands whose scaled x would overflow, the K % 32 tail columns and rows holding a NaN code
 // go through the same code as on the AVX2 path (quant_gemv_internal.h).
 #include "kernels/quant_gemv_internal.h"
+#include "platform/vec.h"
 
 namespace kt {
 namespace qgemv {
@@ -101,70 +102,16 @@ struct Avx512Pass {
 
 // 32 columns from 16 bytes: lo = the even columns c, c+2, .., c+30 (low nibbles), hi = the odd
 // ones, each q + 8 in 0..15.
-KT_TARGET_AVX512 inline void decode_int4x32(const uint8_t* p, __m512& lo, __m512& hi) {
+KT_TARGET_AVX512 inline void decode_int4(const uint8_t* p, __m512& lo, __m512& hi) {
   const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   lo = _mm512_cvtepi32_ps(_mm512_and_si512(d, _mm512_set1_epi32(0x0f)));
   hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(d, 4));
 }
 
-// One group of G columns into chain J of each x row's total (quant_gemv.cpp's int4_group).
-template <int M, int C, int G, int J>
-KT_TARGET_AVX512 inline void int4_group(const float* x, int64_t K, const uint8_t* p, const float* s,
-                                        const float* neg_sums, int64_t groups, __m512 (&total)[M][C]) {
-  __m512 part[M][2];
-  KT_UNROLL for (int m = 0; m < M; ++m) {
-    part[m][0] = _mm512_loadu_ps(neg_sums + m * groups * 16);
-    part[m][1] = _mm512_setzero_ps();
-  }
-  KT_UNROLL for (int c = 0; c < G; c += 32) {
-    __m512 lo, hi;
-    decode_int4x32(p + c / 2, lo, hi);
-    KT_UNROLL for (int m = 0; m < M; ++m) {
-      part[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + c), lo, part[m][0]);
-      part[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(x + m * K + c + 16), hi, part[m][1]);
-    }
-  }
-  const __m512 sv = _mm512_set1_ps(*s);
-  KT_UNROLL for (int m = 0; m < M; ++m) total[m][J] = _mm512_fmadd_ps(sv, _mm512_add_ps(part[m][0], part[m][1]), total[m][J]);
-}
-
-template <int M, int G, bool Bf16>
-KT_TARGET_AVX512 void gemv_int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w,
-                                       float* scale_buffer, float* out) {
-  constexpr int C = qgemv::kTotalChains<M>;
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  const void* scales = w.scale.const_data_ptr();
-  const int64_t ahead = prefetch_ahead_rows(ld, 1);
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales16<Bf16>(scales, r * groups, groups, scale_buffer);
-    __m512 total[M][C];
-    KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
-    int64_t gi = 0;
-    for (; gi + C <= groups; gi += C) {
-      if (row_ahead != nullptr) prefetch_lines(row_ahead, gi * (G / 2), (gi + C) * (G / 2));
-      const float* xg = x + gi * G;
-      const float* ng = neg_sums + gi * 16;
-      const uint8_t* pg = row + gi * (G / 2);
-      int4_group<M, C, G, 0>(xg, K, pg, s + gi, ng, groups, total);
-      if constexpr (C > 1) int4_group<M, C, G, (C > 1)>(xg + G, K, pg + G / 2, s + gi + 1, ng + 16, groups, total);
-      if constexpr (C > 2) {
-        int4_group<M, C, G, 2 * (C > 2)>(xg + 2 * G, K, pg + G, s + gi + 2, ng + 32, groups, total);
-        int4_group<M, C, G, 3 * (C > 2)>(xg + 3 * G, K, pg + 3 * G / 2, s + gi + 3, ng + 48, groups, total);
-      }
-    }
-    for (; gi < groups; ++gi) {
-      int4_group<M, C, G, 0>(x + gi * G, K, row + gi * (G / 2), s + gi, neg_sums + gi * 16, groups, total);
-    }
-    KT_UNROLL for (int m = 0; m < M; ++m) {
-      __m512 sum = total[m][0];
-      KT_UNROLL for (int j = 1; j < C; ++j) sum = _mm512_add_ps(sum, total[m][j]);
-      out[m * R + r] = _mm512_reduce_add_ps(sum);
-    }
-  }
-}
+// The int4 kernels at 16 lanes: quant_gemv.cpp's AVX2 body, written once for both widths.
+#define KT_VEC_TARGET KT_TARGET_AVX512
+#include "kernels/quant_gemv_int4-inl.h"
+#undef KT_VEC_TARGET
 
 // The AVX-512 kernels for the drivers of quant_gemv_internal.h.
 struct Avx512Kernels {
@@ -174,7 +121,7 @@ struct Avx512Kernels {
   template <int M, int G, bool Bf16>
   static void int4_groups(const float* x, const float* neg_sums, const WeightMatrix& w, float* scale_buffer,
                           float* out) {
-    gemv_int4_groups<M, G, Bf16>(x, neg_sums, w, scale_buffer, out);
+    gemv_int4_groups<simd::F32x16, M, G, Bf16>(x, neg_sums, w, scale_buffer, out);
   }
 };
 
@@ -285,7 +232,7 @@ KT_TARGET_AVX512_BF16 void gemv_int4_bf16_rows(const uint16_t* x, int64_t ldx, c
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales16<Bf16Scales>(scales, r * groups, groups, scale_buffer);
+    const float* s = row_scales<Bf16Scales>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t b = 0;

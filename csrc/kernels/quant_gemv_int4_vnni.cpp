@@ -116,7 +116,7 @@ KT_TARGET_AVX512_VNNI void int4_vnni_rows(const VnniX& vx, const WeightMatrix& w
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const float* s = row_scales16<Bf16Scales>(scales, r * groups, groups, scale_buffer);
+    const float* s = row_scales<Bf16Scales>(scales, r * groups, groups, scale_buffer);
     __m512 total[M][C];
     KT_UNROLL for (int m = 0; m < M; ++m) KT_UNROLL for (int j = 0; j < C; ++j) total[m][j] = _mm512_setzero_ps();
     int64_t b = 0;

@@ -72,31 +72,17 @@ inline float load_scale(const void* scales, int64_t i) {
 
 inline bool bf16_scales(const WeightMatrix& w) { return w.scale.scalar_type() == at::kBFloat16; }
 
-// The group scales s0.. s0 + groups of a row as float32 (bf16 ones converted 8 at a time into
-// buffer), so that each group's scale is one broadcast load (the AVX2 int4 kernels).
+// The group scales s0.. s0 + groups of a row as float32 (bf16 ones converted into buffer), so
+// that each group's scale is one broadcast load (the int4 kernels). Plain C++ on purpose: it is
+// inlined into each kernel, whose target attribute vectorizes the loop at that path's width.
 template <bool Bf16>
-KT_TARGET_AVX2 inline const float* row_scales(const void* scales, int64_t s0, int64_t groups, float* buffer) {
+__attribute__((always_inline)) inline const float* row_scales(const void* scales, int64_t s0, int64_t groups,
+                                                             float* buffer) {
   if constexpr (!Bf16) {
     return static_cast<const float*>(scales) + s0;
   } else {
     const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
-    int64_t g = 0;
-    for (; g + 8 <= groups; g += 8) _mm256_storeu_ps(buffer + g, simd::load8_bf16(src + g));
-    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
-    return buffer;
-  }
-}
-
-// row_scales for the AVX-512 int4 kernels (bf16 scales converted 16 at a time).
-template <bool Bf16>
-KT_TARGET_AVX512 inline const float* row_scales16(const void* scales, int64_t s0, int64_t groups, float* buffer) {
-  if constexpr (!Bf16) {
-    return static_cast<const float*>(scales) + s0;
-  } else {
-    const uint16_t* src = static_cast<const uint16_t*>(scales) + s0;
-    int64_t g = 0;
-    for (; g + 16 <= groups; g += 16) _mm512_storeu_ps(buffer + g, simd::load16_bf16(src + g));
-    for (; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
+    for (int64_t g = 0; g < groups; ++g) buffer[g] = simd::bf16_to_float(src[g]);
     return buffer;
   }
 }
