@@ -1,14 +1,16 @@
 // Kernels of swiglu.h: the reference loops (any floating dtype), then float32/bfloat16
-// kernels per instruction set. The SIMD kernels do 16 (AVX-512) or 8 (AVX2) elements per
-// step and finish each row with the reference loop's formula.
+// kernels per instruction set. The SIMD kernels (one body, swiglu-inl.h) do 16 (AVX-512) or 8
+// (AVX2) elements per step and finish each row with the reference loop's formula.
 #include "kernels/swiglu.h"
 
 #include <ATen/Dispatch.h>
 #include <ATen/OpMathType.h>
 
 #include <cmath>
+#include <type_traits>
 
 #include "platform/simd.h"
+#include "platform/vec.h"
 
 namespace kt {
 namespace {
@@ -122,206 +124,22 @@ void backward_reference(const at::Tensor& g, const at::Tensor& u, const at::Tens
   }
 }
 
-// ---- SIMD: one template per vector width, instantiated for float and bfloat16 -------------
-
-template <typename scalar_t>
-KT_TARGET_AVX512 inline __m512 ld16(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return _mm512_loadu_ps(p);
-  } else {
-    return simd::load16_bf16(reinterpret_cast<const uint16_t*>(p));
-  }
-}
-
-template <typename scalar_t, bool kNativeBf16>
-KT_TARGET_AVX512_BF16 inline void st16(scalar_t* p, __m512 v) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    _mm512_storeu_ps(p, v);
-  } else if constexpr (kNativeBf16) {
-    simd::store16_bf16_native(reinterpret_cast<uint16_t*>(p), v);
-  } else {
-    simd::store16_bf16(reinterpret_cast<uint16_t*>(p), v);
-  }
-}
-
-// z and dz/dg of act(g) = g·σ(z) in vectors (act_arg / act_arg_slope).
-template <GatedActivation kAct>
-KT_TARGET_AVX512 inline __m512 act_arg16(__m512 g, __m512 alpha) {
-  if constexpr (kAct == GatedActivation::kSilu) return g;
-  if constexpr (kAct == GatedActivation::kSwigluOai) return _mm512_mul_ps(alpha, g);
-  const __m512 g2 = _mm512_mul_ps(g, g);
-  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(float(kGeluK)), g),
-                       _mm512_fmadd_ps(_mm512_set1_ps(float(kGeluC)), g2, _mm512_set1_ps(1.f)));
-}
-template <GatedActivation kAct>
-KT_TARGET_AVX512 inline __m512 act_arg_slope16(__m512 g, __m512 alpha) {
-  if constexpr (kAct == GatedActivation::kSilu) return _mm512_set1_ps(1.f);
-  if constexpr (kAct == GatedActivation::kSwigluOai) return alpha;
-  return _mm512_fmadd_ps(_mm512_set1_ps(float(3 * kGeluC * kGeluK)), _mm512_mul_ps(g, g), _mm512_set1_ps(float(kGeluK)));
-}
-template <GatedActivation kAct>
-KT_TARGET_AVX2 inline __m256 act_arg8(__m256 g, __m256 alpha) {
-  if constexpr (kAct == GatedActivation::kSilu) return g;
-  if constexpr (kAct == GatedActivation::kSwigluOai) return _mm256_mul_ps(alpha, g);
-  const __m256 g2 = _mm256_mul_ps(g, g);
-  return _mm256_mul_ps(_mm256_mul_ps(_mm256_set1_ps(float(kGeluK)), g),
-                       _mm256_fmadd_ps(_mm256_set1_ps(float(kGeluC)), g2, _mm256_set1_ps(1.f)));
-}
-template <GatedActivation kAct>
-KT_TARGET_AVX2 inline __m256 act_arg_slope8(__m256 g, __m256 alpha) {
-  if constexpr (kAct == GatedActivation::kSilu) return _mm256_set1_ps(1.f);
-  if constexpr (kAct == GatedActivation::kSwigluOai) return alpha;
-  return _mm256_fmadd_ps(_mm256_set1_ps(float(3 * kGeluC * kGeluK)), _mm256_mul_ps(g, g), _mm256_set1_ps(float(kGeluK)));
-}
+// ---- SIMD: one body for both vector widths (swiglu-inl.h), for float and bfloat16 ----------
 
 // The AVX-512 kernels are compiled with the AVX512-BF16 target so that one body serves both
-// paths; kNativeBf16 = false never emits a BF16 instruction, so it runs on any AVX-512 CPU.
-// The clamps in vectors: min/max return their second operand where either is NaN, so the
-// input goes second and NaN stays NaN; the ordered compares are false for NaN.
-template <typename scalar_t, bool kNativeBf16, bool kClamp, GatedActivation kAct>
-KT_TARGET_AVX512_BF16 void forward_avx512(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, float limit,
-                                          float alpha) {
-  const int64_t n = h.size(0), I = h.size(1), I16 = I / 16 * 16;
-  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit);
-  const __m512 alpha16 = _mm512_set1_ps(alpha), one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* gr = g.const_data_ptr<scalar_t>() + i * g.stride(0);
-    const scalar_t* ur = u.const_data_ptr<scalar_t>() + i * u.stride(0);
-    scalar_t* hr = h.mutable_data_ptr<scalar_t>() + i * h.stride(0);
-    for (int64_t j = 0; j < I16; j += 16) {
-      __m512 gv = ld16(gr + j), uv = ld16(ur + j);
-      if constexpr (kClamp) gv = _mm512_min_ps(hi, gv), uv = _mm512_max_ps(lo, _mm512_min_ps(hi, uv));
-      if constexpr (kShiftsUp<kAct>) uv = _mm512_add_ps(uv, one);
-      st16<scalar_t, kNativeBf16>(hr + j,
-                                  _mm512_mul_ps(_mm512_mul_ps(gv, simd::sigmoid16(act_arg16<kAct>(gv, alpha16))), uv));
-    }
-    forward_row_reference<scalar_t, float, kClamp, kAct>(gr, ur, hr, I16, I, limit, alpha);
-  }
-}
+// AVX-512 paths; kNativeBf16 = false never emits a BF16 instruction, so it runs on any AVX-512
+// CPU.
+namespace width16 {
+#define KT_VEC_TARGET KT_TARGET_AVX512_BF16
+#include "kernels/swiglu-inl.h"
+#undef KT_VEC_TARGET
+}  // namespace width16
 
-template <typename scalar_t, bool kNativeBf16, bool kClamp, GatedActivation kAct>
-KT_TARGET_AVX512_BF16 void backward_avx512(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh,
-                                           const at::Tensor& w, SwigluBackwardOut& out, float limit, float alpha) {
-  const int64_t n = g.size(0), I = g.size(1), I16 = I / 16 * 16;
-  const __m512 hi = _mm512_set1_ps(limit), lo = _mm512_set1_ps(-limit), alpha16 = _mm512_set1_ps(alpha);
-  const float* wp = w.const_data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* gr = g.const_data_ptr<scalar_t>() + i * g.stride(0);
-    const scalar_t* ur = u.const_data_ptr<scalar_t>() + i * u.stride(0);
-    const scalar_t* dhr = dh.const_data_ptr<scalar_t>() + i * dh.stride(0);
-    scalar_t* dgr = row_ptr<scalar_t>(out.dg, i);
-    scalar_t* dur = row_ptr<scalar_t>(out.du, i);
-    scalar_t* hwr = row_ptr<scalar_t>(out.hw, i);
-    const __m512 w16 = _mm512_set1_ps(wp[i]);
-    __m512 dw16 = _mm512_setzero_ps();
-    for (int64_t j = 0; j < I16; j += 16) {
-      const __m512 g_in = ld16(gr + j), u_in = ld16(ur + j), dhu = ld16(dhr + j);
-      const __m512 gv = kClamp ? _mm512_min_ps(hi, g_in) : g_in;
-      __m512 uv = kClamp ? _mm512_max_ps(lo, _mm512_min_ps(hi, u_in)) : u_in;
-      if constexpr (kShiftsUp<kAct>) uv = _mm512_add_ps(uv, one);
-      const __m512 sig = simd::sigmoid16(act_arg16<kAct>(gv, alpha16));
-      const __m512 silu = _mm512_mul_ps(gv, sig);
-      const __m512 hv = _mm512_mul_ps(silu, uv);
-      const __m512 dhv = _mm512_mul_ps(w16, dhu);
-      dw16 = _mm512_fmadd_ps(dhu, hv, dw16);
-      __m512 du = _mm512_mul_ps(dhv, silu);
-      const __m512 dsilu = _mm512_fmadd_ps(_mm512_mul_ps(silu, _mm512_sub_ps(one, sig)), act_arg_slope16<kAct>(gv, alpha16), sig);
-      __m512 dg = _mm512_mul_ps(_mm512_mul_ps(dhv, uv), dsilu);
-      if constexpr (kClamp) {
-        du = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(u_in, lo, _CMP_GE_OQ) & _mm512_cmp_ps_mask(u_in, hi, _CMP_LE_OQ), du);
-        dg = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(g_in, hi, _CMP_LE_OQ), dg);
-      }
-      st16<scalar_t, kNativeBf16>(dur + j, du);
-      st16<scalar_t, kNativeBf16>(dgr + j, dg);
-      if (hwr) st16<scalar_t, kNativeBf16>(hwr + j, _mm512_mul_ps(w16, hv));
-    }
-    const float dw = _mm512_reduce_add_ps(dw16) +
-                     backward_row_reference<scalar_t, float, kClamp, kAct>(gr, ur, dhr, wp[i], dgr, dur, hwr, I16, I, limit,
-                                                                          alpha);
-    if (out.dw.defined()) out.dw.mutable_data_ptr<float>()[i] = dw;
-  }
-}
-
-template <typename scalar_t>
-KT_TARGET_AVX2 inline __m256 ld8(const scalar_t* p) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    return _mm256_loadu_ps(p);
-  } else {
-    return simd::load8_bf16(reinterpret_cast<const uint16_t*>(p));
-  }
-}
-
-template <typename scalar_t>
-KT_TARGET_AVX2 inline void st8(scalar_t* p, __m256 v) {
-  if constexpr (std::is_same_v<scalar_t, float>) {
-    _mm256_storeu_ps(p, v);
-  } else {
-    simd::store8_bf16(reinterpret_cast<uint16_t*>(p), v);
-  }
-}
-
-template <typename scalar_t, bool kClamp, GatedActivation kAct>
-KT_TARGET_AVX2 void forward_avx2(const at::Tensor& g, const at::Tensor& u, at::Tensor& h, float limit, float alpha) {
-  const int64_t n = h.size(0), I = h.size(1), I8 = I / 8 * 8;
-  const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit);
-  const __m256 alpha8 = _mm256_set1_ps(alpha), one = _mm256_set1_ps(1.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* gr = g.const_data_ptr<scalar_t>() + i * g.stride(0);
-    const scalar_t* ur = u.const_data_ptr<scalar_t>() + i * u.stride(0);
-    scalar_t* hr = h.mutable_data_ptr<scalar_t>() + i * h.stride(0);
-    for (int64_t j = 0; j < I8; j += 8) {
-      __m256 gv = ld8(gr + j), uv = ld8(ur + j);
-      if constexpr (kClamp) gv = _mm256_min_ps(hi, gv), uv = _mm256_max_ps(lo, _mm256_min_ps(hi, uv));
-      if constexpr (kShiftsUp<kAct>) uv = _mm256_add_ps(uv, one);
-      st8(hr + j, _mm256_mul_ps(_mm256_mul_ps(gv, simd::sigmoid8(act_arg8<kAct>(gv, alpha8))), uv));
-    }
-    forward_row_reference<scalar_t, float, kClamp, kAct>(gr, ur, hr, I8, I, limit, alpha);
-  }
-}
-
-template <typename scalar_t, bool kClamp, GatedActivation kAct>
-KT_TARGET_AVX2 void backward_avx2(const at::Tensor& g, const at::Tensor& u, const at::Tensor& dh,
-                                  const at::Tensor& w, SwigluBackwardOut& out, float limit, float alpha) {
-  const int64_t n = g.size(0), I = g.size(1), I8 = I / 8 * 8;
-  const __m256 hi = _mm256_set1_ps(limit), lo = _mm256_set1_ps(-limit), alpha8 = _mm256_set1_ps(alpha);
-  const float* wp = w.const_data_ptr<float>();
-  const __m256 one = _mm256_set1_ps(1.f);
-  for (int64_t i = 0; i < n; ++i) {
-    const scalar_t* gr = g.const_data_ptr<scalar_t>() + i * g.stride(0);
-    const scalar_t* ur = u.const_data_ptr<scalar_t>() + i * u.stride(0);
-    const scalar_t* dhr = dh.const_data_ptr<scalar_t>() + i * dh.stride(0);
-    scalar_t* dgr = row_ptr<scalar_t>(out.dg, i);
-    scalar_t* dur = row_ptr<scalar_t>(out.du, i);
-    scalar_t* hwr = row_ptr<scalar_t>(out.hw, i);
-    const __m256 w8 = _mm256_set1_ps(wp[i]);
-    __m256 dw8 = _mm256_setzero_ps();
-    for (int64_t j = 0; j < I8; j += 8) {
-      const __m256 g_in = ld8(gr + j), u_in = ld8(ur + j), dhu = ld8(dhr + j);
-      const __m256 gv = kClamp ? _mm256_min_ps(hi, g_in) : g_in;
-      __m256 uv = kClamp ? _mm256_max_ps(lo, _mm256_min_ps(hi, u_in)) : u_in;
-      if constexpr (kShiftsUp<kAct>) uv = _mm256_add_ps(uv, one);
-      const __m256 sig = simd::sigmoid8(act_arg8<kAct>(gv, alpha8));
-      const __m256 silu = _mm256_mul_ps(gv, sig);
-      const __m256 hv = _mm256_mul_ps(silu, uv);
-      const __m256 dhv = _mm256_mul_ps(w8, dhu);
-      dw8 = _mm256_fmadd_ps(dhu, hv, dw8);
-      __m256 du = _mm256_mul_ps(dhv, silu);
-      const __m256 dsilu = _mm256_fmadd_ps(_mm256_mul_ps(silu, _mm256_sub_ps(one, sig)), act_arg_slope8<kAct>(gv, alpha8), sig);
-      __m256 dg = _mm256_mul_ps(_mm256_mul_ps(dhv, uv), dsilu);
-      if constexpr (kClamp) {
-        du = _mm256_and_ps(_mm256_and_ps(_mm256_cmp_ps(u_in, lo, _CMP_GE_OQ), _mm256_cmp_ps(u_in, hi, _CMP_LE_OQ)), du);
-        dg = _mm256_and_ps(_mm256_cmp_ps(g_in, hi, _CMP_LE_OQ), dg);
-      }
-      st8(dur + j, du);
-      st8(dgr + j, dg);
-      if (hwr) st8(hwr + j, _mm256_mul_ps(w8, hv));
-    }
-    const float dw = simd::hsum8(dw8) +
-                     backward_row_reference<scalar_t, float, kClamp, kAct>(gr, ur, dhr, wp[i], dgr, dur, hwr, I8, I, limit, alpha);
-    if (out.dw.defined()) out.dw.mutable_data_ptr<float>()[i] = dw;
-  }
-}
+namespace width8 {
+#define KT_VEC_TARGET KT_TARGET_AVX2
+#include "kernels/swiglu-inl.h"
+#undef KT_VEC_TARGET
+}  // namespace width8
 
 // The kernel of path `isa` and dtype `t` for a clamp or none (kClamp) and an activation.
 template <bool kClamp, GatedActivation kAct, typename Kernels>
@@ -358,9 +176,9 @@ struct ForwardKernels {
   at::Tensor& h;
   float limit, alpha;
   template <typename T, bool kNativeBf16, bool kClamp, GatedActivation kAct>
-  void avx512() const { forward_avx512<T, kNativeBf16, kClamp, kAct>(g, u, h, limit, alpha); }
+  void avx512() const { width16::forward_simd<simd::F32x16, T, kNativeBf16, kClamp, kAct>(g, u, h, limit, alpha); }
   template <typename T, bool kClamp, GatedActivation kAct>
-  void avx2() const { forward_avx2<T, kClamp, kAct>(g, u, h, limit, alpha); }
+  void avx2() const { width8::forward_simd<simd::F32x8, T, false, kClamp, kAct>(g, u, h, limit, alpha); }
 };
 
 struct BackwardKernels {
@@ -368,9 +186,11 @@ struct BackwardKernels {
   SwigluBackwardOut& out;
   float limit, alpha;
   template <typename T, bool kNativeBf16, bool kClamp, GatedActivation kAct>
-  void avx512() const { backward_avx512<T, kNativeBf16, kClamp, kAct>(g, u, dh, w, out, limit, alpha); }
+  void avx512() const {
+    width16::backward_simd<simd::F32x16, T, kNativeBf16, kClamp, kAct>(g, u, dh, w, out, limit, alpha);
+  }
   template <typename T, bool kClamp, GatedActivation kAct>
-  void avx2() const { backward_avx2<T, kClamp, kAct>(g, u, dh, w, out, limit, alpha); }
+  void avx2() const { width8::backward_simd<simd::F32x8, T, false, kClamp, kAct>(g, u, dh, w, out, limit, alpha); }
 };
 
 }  // namespace
