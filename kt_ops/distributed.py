@@ -23,6 +23,7 @@ from __future__ import annotations
 from torch import nn
 
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.placement import create_groups
 
 _OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
 
@@ -58,3 +59,15 @@ def prepare_ddp(model: nn.Module) -> nn.Module:
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
     model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(expert_parameter_names(model)))
     return model
+
+
+def create_process_groups(model: nn.Module) -> None:
+    """Makes the process groups of the KT layers in ``model`` placed with ``owners="per-node"``
+    now, after ``init_process_group``, instead of at their first forward (where a compiled
+    step would trace their making). Every rank must call it (``new_group`` is collective);
+    :class:`kt_ops.hf.KTTrainer` does."""
+    for _, layer in _kt_layers(model):
+        layout = layer._placement.layout
+        if layout is not None and layout.world_size > 1:
+            create_groups(layout)  # made once per layout, then shared
+

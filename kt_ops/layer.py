@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kt_ops import quantization
-from kt_ops.rank_discovery import discover_rank
+from kt_ops.placement import resolve as resolve_placement
 
 _layer_ids = itertools.count()
 
@@ -79,6 +79,10 @@ class KTMoE(nn.Module):
     they are accumulated (a hook per trainable expert tensor), so N nodes of R ranks train like
     one process on all N·R ranks' batches: the same optimizer step keeps the replicas equal.
 
+    ``owners="per-node"`` builds that placement from torchrun's environment instead (the node's
+    local rank 0 owns, the groups are made on first use; :mod:`kt_ops.placement`);
+    ``owners="rank0"`` is the default placement, named.
+
     The rank and world size come from ``process_group`` (or the default group) when it
     exists, else from ``RANK``/``WORLD_SIZE`` (see :mod:`kt_ops.rank_discovery`).
     """
@@ -90,7 +94,7 @@ class KTMoE(nn.Module):
                  router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
                  group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None,
                  swiglu_limit: Optional[float] = None, activation: str = "silu",
-                 swiglu_alpha: Optional[float] = None, expert_bias: bool = False):
+                 swiglu_alpha: Optional[float] = None, expert_bias: bool = False, owners: Optional[str] = None):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -130,12 +134,9 @@ class KTMoE(nn.Module):
         self.lora_scale = self.lora_alpha / lora_rank if lora_rank else 1.0
         self.train_base = train_base
         self.norm_topk_prob = norm_topk_prob
-        self.rank, self.world_size = discover_rank(process_group)
-        if not 0 <= owner_rank < self.world_size:
-            raise ValueError(f"KTMoE: owner_rank must be in [0, {self.world_size}), got {owner_rank}")
-        self.owner_rank = owner_rank
-        self.process_group = process_group
-        self.expert_replica_group = expert_replica_group
+        self._placement = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "KTMoE")
+        self.rank, self.world_size = self._placement.rank, self._placement.world_size
+        self.owner_rank = self._placement.owner_rank
         self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
 
         self.set_replicated_parameters(None, dtype, trainable=bool(lora_rank or train_base))  # default device
@@ -183,6 +184,16 @@ class KTMoE(nn.Module):
         Call :meth:`register_gradient_hooks` after replacing them."""
         self.grad_anchor = nn.Parameter(torch.empty(0, dtype=dtype, device=device), requires_grad=trainable)
         self.expert_grad_norm = nn.Parameter(torch.zeros(1, device=device), requires_grad=False)
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        """The ranks whose tokens go to this layer's owner (None: the default group)."""
+        return self._placement.process_group
+
+    @property
+    def expert_replica_group(self) -> Optional[dist.ProcessGroup]:
+        """The owners that hold replicas of the experts and average their gradients, or None."""
+        return self._placement.expert_replica_group
 
     def _unique_expert_tensors(self) -> list:
         """The owner's expert tensors, each once (gate_lora_a and up_lora_a may be one tensor)."""
@@ -250,19 +261,20 @@ class KTMoE(nn.Module):
             self._norm_share_queued = False
             self.grad_anchor.register_post_accumulate_grad_hook(queue_share)
             self.grad_anchor._kt_norm_hook = True
-        group = self.expert_replica_group
-        if group is None or not self.is_owner or group.size() == 1:
+        placement = self._placement
+        if not self.is_owner or placement.replicas() == 1:
             return
         for param in (p for p in self._unique_expert_tensors() if p.requires_grad):
-            if getattr(param, "_kt_replica_hook", None) is group:
+            if getattr(param, "_kt_replica_hook", None) is placement:
                 continue
 
-            def average(p, group=group):
+            def average(p, placement=placement):
+                group = placement.expert_replica_group  # owners="per-node": made on first use
                 dist.all_reduce(p.grad, group=group)  # SUM: gloo has no AVG
                 p.grad.div_(group.size())
 
             param.register_post_accumulate_grad_hook(average)
-            param._kt_replica_hook = group
+            param._kt_replica_hook = placement
 
     def share_expert_grad_norm(self) -> None:
         """The owner broadcasts the norm of its expert gradients to the other ranks of the

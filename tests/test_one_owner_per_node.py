@@ -3,7 +3,8 @@ own owner (``process_group`` = the node's ranks, ``owner_rank=0`` within it), an
 owners average their expert gradients over ``expert_replica_group`` (the owners' group). The
 whole equals one process on the 4 ranks' batches with loss (1/4)·Σ_r L_r (fp32, 1e-5): outputs,
 hidden-state gradients, the owners' expert gradients (equal on both owners) and the average of
-the router gradients; then an SGD step keeps the two replicas of the experts equal."""
+the router gradients; then an SGD step keeps the two replicas of the experts equal. The same
+with ``owners="per-node"``, the layout read from torchrun's environment (kt_ops.placement)."""
 import pytest
 import torch
 
@@ -15,12 +16,12 @@ LENGTHS = [(3, 5, 0, 4), (6, 2, 7, 1)]  # per step, per global rank (0 rows on a
 LORA = dict(lora_rank=4, lora_alpha=8.0)
 
 
-def make_layer(process_group=None, replica_group=None, seed=5):
+def make_layer(process_group=None, replica_group=None, seed=5, **placement):
     from kt_ops.layer import KTMoE
 
     torch.manual_seed(seed)
     layer = KTMoE(H, I, E, K, dtype=torch.float32, process_group=process_group, expert_replica_group=replica_group,
-                  **LORA)
+                  **LORA, **placement)
     if layer.is_owner:
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -29,14 +30,22 @@ def make_layer(process_group=None, replica_group=None, seed=5):
     return layer
 
 
-def _worker(rank, world_size):
+def _worker(rank, world_size, placement="by hand"):
+    import os
+
     import torch.distributed as dist
 
     import kt_ops  # noqa: F401
 
-    nodes = [dist.new_group(list(range(n * PER_NODE, (n + 1) * PER_NODE))) for n in range(NODES)]
-    owners = dist.new_group([n * PER_NODE for n in range(NODES)])
-    layer = make_layer(nodes[rank // PER_NODE], owners)
+    if placement == "by hand":
+        nodes = [dist.new_group(list(range(n * PER_NODE, (n + 1) * PER_NODE))) for n in range(NODES)]
+        owners = dist.new_group([n * PER_NODE for n in range(NODES)])
+        layer = make_layer(nodes[rank // PER_NODE], owners)
+    else:  # torchrun's environment of 2 nodes of 2 ranks; the groups made at the first forward
+        os.environ.update(LOCAL_RANK=str(rank % PER_NODE), LOCAL_WORLD_SIZE=str(PER_NODE),
+                          GROUP_RANK=str(rank // PER_NODE))
+        layer = make_layer(owners=placement)
+        assert (layer.rank, layer.world_size, layer.owner_rank) == (rank % PER_NODE, PER_NODE, 0)
     steps = []
     for step, lens in enumerate(LENGTHS):
         x, c = make_batch(step, rank, lens[rank])
@@ -55,8 +64,9 @@ def _worker(rank, world_size):
     return dict(is_owner=layer.is_owner, steps=steps, after=after)
 
 
-def test_two_nodes_of_two_ranks_equal_one_process(monkeypatch):
-    results = check_all_ok(run_ranks(_worker, NODES * PER_NODE, timeout_s=180, pg_timeout_s=120))
+@pytest.mark.parametrize("placement", ["by hand", "per-node"])
+def test_two_nodes_of_two_ranks_equal_one_process(monkeypatch, placement):
+    results = check_all_ok(run_ranks(_worker, NODES * PER_NODE, placement, timeout_s=180, pg_timeout_s=120))
     assert [r["is_owner"] for r in results] == [True, False, True, False]
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)

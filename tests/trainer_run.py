@@ -2,7 +2,8 @@
 a patched tiny Qwen3-MoE (expert LoRA, optionally the routers too), for tests/test_trainer.py:
 ``python tests/trainer_run.py OUT [--train-router]`` in one process or under
 ``torch.distributed.run``; ``--nodes N`` splits the ranks into N "nodes" of consecutive ranks,
-each with its own owner (one owner per node, the owners averaging their expert gradients).
+each with its own owner (one owner per node, the owners averaging their expert gradients), with
+process groups built here; ``--owners per-node`` does the same from torchrun's own node layout.
 Rank 0 writes OUT/result.pt: the logged losses and the trained tensors. The per-device batch
 is the global batch / world size, so every world size trains on the same samples per step."""
 import argparse
@@ -30,6 +31,9 @@ def main(argv=None):
     p.add_argument("--lr", type=float, default=0.5)
     p.add_argument("--optim", default="sgd", help="the Trainer's optim (adamw_torch: optimizer state to resume)")
     p.add_argument("--nodes", type=int, default=1, help="one owner per node, NODES nodes of consecutive ranks")
+    p.add_argument("--owners", choices=["rank0", "per-node"], default=None,
+                   help="the placement by name (kt_ops.placement: per-node from torchrun's --nnodes layout), "
+                        "the model built before the Trainer sets up the process group")
     args = p.parse_args(argv)
 
     import transformers
@@ -38,7 +42,9 @@ def main(argv=None):
     from test_ddp_fsdp import build_model, set_trainable
 
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    model = build_model(**node_groups(args.nodes, world))
+    if args.owners and args.nodes != 1:
+        p.error("--owners and --nodes are two ways of placing the owners: give one")
+    model = build_model(**(dict(owners=args.owners) if args.owners else node_groups(args.nodes, world)))
     if args.attention_lora and args.train_router:
         p.error("--attention-lora and --train-router are separate cases")
     model = set_trainable(model, "lora+peft-attention" if args.attention_lora

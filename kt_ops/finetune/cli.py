@@ -3,6 +3,7 @@
     python -m kt_ops.finetune                        # built-in demo: a few minutes on 2 CPU cores
     python -m kt_ops.finetune --compare-eager        # ... and the same run with HF's experts + PEFT
     torchrun --nproc-per-node 2 -m kt_ops.finetune   # 2 ranks (gloo); experts live on rank 0
+    torchrun --nnodes 2 --node-rank N ... -m kt_ops.finetune --owners per-node   # an owner per node
 
 The model's experts are moved onto kt (``kt_ops.patch_model``, or ``kt_ops.hf.from_pretrained``
 straight from a ``--model`` checkpoint) with LoRA on the routed experts; everything else is
@@ -39,7 +40,8 @@ Multi-process (``WORLD_SIZE > 1``, e.g. torchrun): the Trainer sets up the proce
 (NCCL when the ranks have GPUs, gloo on CPU) and wraps the model in DDP; ``--batch-size`` is the
 global batch and each rank trains on its own contiguous shard of it. The experts and their LoRA
 live on rank 0 only (KTMoE gives them the DDP average of every rank's gradient and keeps them
-out of DDP); DDP averages the gradients of the other trainable parameters (``--also-train``).
+out of DDP), or with ``--owners per-node`` on each node's local rank 0 (the owners averaging
+their expert gradients, so the replicas stay equal); DDP averages the gradients of the other trainable parameters (``--also-train``).
 A rank with nothing of its own to train still runs the backward the owner waits for (KTMoE's
 grad anchor). The printed/recorded loss is the mean over ranks, which equals the
 single-process loss on the same global batch.
@@ -59,7 +61,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 import kt_ops
-from kt_ops import faults, quantization
+from kt_ops import faults, placement, quantization
 from kt_ops.cpu_isa import best_cpu_isa
 from kt_ops.finetune.training import RunResult, WindowDataset, train_with_trainer
 from kt_ops.finetune.tokenizer import ByteTokenizer
@@ -151,6 +153,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="resume from a Trainer checkpoint folder, or 'latest': the newest complete one in "
                         "--output-dir (incomplete ones are skipped with a warning); the job must have the "
                         "checkpoint's number of ranks")
+    p.add_argument("--owners", choices=placement.OWNERS, default="rank0",
+                   help="where the experts live with several ranks: 'rank0' (one owner for the job) or "
+                        "'per-node' (each node's local rank 0, from torchrun's --nnodes layout; the owners "
+                        "average their expert gradients) (default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "batch_size", "lora_rank"):
@@ -261,12 +267,12 @@ def build_base_model(args, experts_implementation: Optional[str] = None) -> nn.M
 
 
 def build_kt_model(args, base: Optional[nn.Module] = None) -> nn.Module:
-    """The model with its experts on kt (LoRA on the experts, experts owned by rank 0); only the
+    """The model with its experts on kt (LoRA on the experts, experts placed by ``--owners``); only the
     expert LoRA trains, plus the parameters ``--also-train`` names. The LoRA initialisation is
     drawn from ``--seed`` (the same on every rank). With ``--model`` (and no ``base``) the
     checkpoint is read shard by shard straight into the patched model
     (:func:`kt_ops.hf.from_pretrained`): the unpatched model is never materialised."""
-    patch = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, train_base=False, owner_rank=0,
+    patch = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, train_base=False, owners=args.owners,
                  expert_format=args.expert_format, group_size=args.group_size)
     if base is None and args.model:
         torch.manual_seed(args.seed + 1)  # the LoRA draws, as below

@@ -35,7 +35,7 @@ from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import is_experts_module
 from kt_ops.hf.patch import materialize_experts, patch_model
 from kt_ops.hf.shards import ShardReader, TensorRef, shard_files, tensor_refs
-from kt_ops.rank_discovery import discover_rank
+from kt_ops.placement import resolve as resolve_placement
 
 _TORCH_DTYPES = {"F64": torch.float64, "F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16,
                  "F8_E4M3": torch.float8_e4m3fn, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
@@ -101,7 +101,7 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
                     train_base: bool = False, expert_format: Optional[str] = None, group_size: Optional[int] = None,
                     dtype: Optional[torch.dtype] = None, device: Optional[Union[str, torch.device]] = None,
                     owner_rank: int = 0, process_group: Optional[dist.ProcessGroup] = None,
-                    progress: bool = True) -> nn.Module:
+                    progress: bool = True, owners: Optional[str] = None) -> nn.Module:
     """The model of checkpoint directory ``path``, patched by :func:`~kt_ops.hf.patch_model`,
     filled from its safetensors shards without ever holding the unpatched model in memory.
 
@@ -134,7 +134,8 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
         path: a local checkpoint directory (``config.json`` + ``model.safetensors`` or a
             sharded ``model.safetensors.index.json``).
         lora_rank, lora_alpha, train_base, expert_format, group_size, owner_rank,
-            process_group: as :func:`~kt_ops.hf.patch_model`.
+            process_group, owners: as :func:`~kt_ops.hf.patch_model` (``owners="per-node"``: every
+            node's owner reads the experts).
         dtype: the model's dtype (default: the config's ``dtype``, else float32).
         device: where the non-expert weights go (default: the rank's GPU, ``cuda:LOCAL_RANK``,
             when CUDA is available, else the CPU). The experts always live on the owner's CPU.
@@ -149,6 +150,7 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
+    owner = resolve_placement(owners, owner_rank, process_group, None, "from_pretrained").is_owner
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"from_pretrained: path must be a local checkpoint directory, got {path!r}")
@@ -171,16 +173,15 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
         model = _build_model(config, dtype)
     plan = _Plan(model, stored)
     patch_model(model, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base, owner_rank=owner_rank,
-                process_group=process_group, expert_format=fmt)
+                process_group=process_group, expert_format=fmt, owners=owners)
     weights = plan.weights_of([ref for f in files for ref in tensor_refs(f)])
 
-    rank, _ = discover_rank(process_group)
     experts = {p: model.get_submodule(p) for p in plan.experts_paths}
     scale_dtype = _copied_int4_scale_dtype(weights, stored, fmt.name, fmt.group_size)
     for kt in experts.values():
         materialize_experts(kt, device, scale_dtype=scale_dtype)
     todo = [w for w in weights if w.slot is None or experts[w.slot.path].is_owner]
-    _Loader(model, plan, experts, device).load(todo, progress=progress and rank == owner_rank)
+    _Loader(model, plan, experts, device).load(todo, progress=progress and owner)
 
     _move_buffers(model, device)
     if plan.tied:

@@ -25,7 +25,7 @@ from kt_ops.distributed import prepare_ddp
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts, gating_of
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES, KTMoE
-from kt_ops.rank_discovery import discover_rank
+from kt_ops.placement import resolve as resolve_placement
 
 
 def patched_experts(model: nn.Module) -> list[tuple[str, KTExperts]]:
@@ -43,7 +43,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
                 train_base: bool = False, owner_rank: int = 0,
                 process_group: Optional[dist.ProcessGroup] = None, expert_format: Optional[str] = None,
                 group_size: Optional[int] = None,
-                expert_replica_group: Optional[dist.ProcessGroup] = None) -> nn.Module:
+                expert_replica_group: Optional[dist.ProcessGroup] = None,
+                owners: Optional[str] = None) -> nn.Module:
     """Replace, in place, every transformers experts module of ``model`` by a
     :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
@@ -87,6 +88,9 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         expert_replica_group: one owner per node: ``process_group`` is the node's ranks and this
             the group of all nodes' owners, which average their expert gradients (see
             :class:`~kt_ops.KTMoE`).
+        owners: ``"per-node"``: one owner per node from torchrun's environment, the groups made
+            for you (:mod:`kt_ops.placement`); ``"rank0"``: the default, named. Not together
+            with ``owner_rank`` / ``process_group`` / ``expert_replica_group``.
 
     Returns:
         ``model`` (patched in place). Parameters outside the experts keep their
@@ -121,6 +125,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             f"(model_type={model_type!r}). kt_ops patches the routed experts of transformers 5.x MoE models: "
             "modules of an experts class decorated with @use_experts_implementation "
             "(gate_up_proj [E, 2I, H], down_proj [E, H, I]).")
+    resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model")  # checked first
     for name, experts in targets:  # check every module before changing any
         why = experts_support(experts)
         if why is None and fmt.quantized:
@@ -131,7 +136,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     for name, experts in targets:
         new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
                                owner_rank=owner_rank, process_group=process_group, expert_format=fmt,
-                               expert_replica_group=expert_replica_group)
+                               expert_replica_group=expert_replica_group, owners=owners)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
@@ -150,7 +155,7 @@ def _top_k(experts: nn.Module, num_experts: int) -> int:
 def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
                      owner_rank: int, process_group: Optional[dist.ProcessGroup],
                      expert_format: quantization.ExpertFormat,
-                     expert_replica_group: Optional[dist.ProcessGroup]) -> KTExperts:
+                     expert_replica_group: Optional[dist.ProcessGroup], owners: Optional[str]) -> KTExperts:
     layout = ExpertsLayout.of(experts)
     gate_up = experts.gate_up_proj
     E, I, H = layout.sizes(gate_up)
@@ -159,12 +164,12 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     # weights come from the model: build on the meta device; non-owners allocate none), and
     # without touching the global RNG (KTMoE.reset_parameters draws from it except on the meta
     # device), so that every rank stays in RNG step.
-    rank, _ = discover_rank(process_group)
-    with torch.random.fork_rng(devices=[]), (torch.device("meta") if rank == owner_rank else nullcontext()):
+    owner = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model").is_owner
+    with torch.random.fork_rng(devices=[]), (torch.device("meta") if owner else nullcontext()):
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
                        dtype=gate_up.dtype, expert_format=expert_format,
-                       expert_replica_group=expert_replica_group, expert_bias=layout.has_bias,
+                       expert_replica_group=expert_replica_group, owners=owners, expert_bias=layout.has_bias,
                        **gating_of(experts))
     kt.gate_up_interleaved = layout.interleaved  # the order of PEFT's fused gate_up LoRA rows (adapters)
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.

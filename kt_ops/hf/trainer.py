@@ -26,12 +26,13 @@ from __future__ import annotations
 import os
 from typing import Optional
 
+import torch.distributed as dist
 import transformers
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from kt_ops import faults
-from kt_ops.distributed import expert_parameter_names
+from kt_ops.distributed import create_process_groups, expert_parameter_names
 from kt_ops.hf import checkpoints
 from kt_ops.hf.adapters import save_adapter
 from kt_ops.hf.patch import patched_experts
@@ -100,6 +101,8 @@ class KTTrainerMixin:
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
+        if dist.is_initialized():  # owners="per-node": the groups made here, before a compiled step traces
+            create_process_groups(self.model)
         if not any(isinstance(c, KTAdapterCallback) for c in self.callback_handler.callbacks):
             self.add_callback(KTAdapterCallback())
         self._kt_resume: Optional[checkpoints.CheckpointReader] = None

@@ -1,0 +1,154 @@
+"""Where a KT layer's experts live, named with one argument: ``owners="rank0"`` or ``"per-node"``.
+
+* ``"rank0"``: one owner for the whole job, global rank 0 (the default group): what
+  ``KTMoE(owner_rank=0)`` without a ``process_group`` does.
+* ``"per-node"``: one owner per node, the node's local rank 0; the node's ranks send their
+  tokens to it, and the owners of all nodes average their expert gradients (each holds a
+  replica of the experts): ``KTMoE(process_group=<the node's ranks>, owner_rank=0,
+  expert_replica_group=<the owners>)`` without building those groups by hand.
+
+The layout comes from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
+``LOCAL_WORLD_SIZE``, ``GROUP_RANK``: torchrun numbers the ranks of a node consecutively),
+so a layer knows at construction, before ``init_process_group``, whether it owns the experts
+(only an owner allocates them). The process groups themselves need the default group: they
+are made on first use (every rank makes all of them, in the same order, as
+``torch.distributed.new_group`` requires) and shared by every layer of the same layout.
+Models that compile their first step should call :func:`create_groups` once after
+``init_process_group`` (KTTrainer does), so that no group is made while tracing.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import torch.distributed as dist
+
+from kt_ops.rank_discovery import _env_int, discover_rank
+
+OWNERS = ("rank0", "per-node")
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeLayout:
+    """The job as ``nodes`` nodes of ``ranks_per_node`` consecutive ranks; this process is
+    ``local_rank`` of node ``node``."""
+    world_size: int
+    ranks_per_node: int
+    node: int
+    local_rank: int
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.ranks_per_node
+
+    def node_ranks(self, node: int) -> list[int]:
+        return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
+
+    def owner_ranks(self) -> list[int]:
+        """The global ranks of the owners: each node's local rank 0."""
+        return [n * self.ranks_per_node for n in range(self.nodes)]
+
+
+def node_layout(where: str = "kt_ops") -> NodeLayout:
+    """This process's node layout from torchrun's environment (and the default group, when
+    initialized, for the rank and world size). ValueError naming the variable that is
+    missing or inconsistent."""
+    rank, world_size = discover_rank()
+    local_rank, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+    if world_size == 1 and local_rank is None and local_world is None:
+        return NodeLayout(1, 1, 0, 0)
+    for name, value in (("LOCAL_RANK", local_rank), ("LOCAL_WORLD_SIZE", local_world)):
+        if value is None:
+            raise ValueError(f"{where}: owners='per-node' reads the node layout from torchrun's environment, "
+                             f"but {name} is not set (launch with torchrun, or pass process_group and "
+                             f"expert_replica_group built by hand)")
+    if local_world < 1 or world_size % local_world:
+        raise ValueError(f"{where}: owners='per-node' needs nodes of equal size: LOCAL_WORLD_SIZE={local_world} "
+                         f"does not divide WORLD_SIZE={world_size}")
+    if not 0 <= local_rank < local_world:
+        raise ValueError(f"{where}: LOCAL_RANK must be in [0, LOCAL_WORLD_SIZE={local_world}), got {local_rank}")
+    node = rank // local_world
+    group_rank = _env_int("GROUP_RANK")
+    if rank % local_world != local_rank or (group_rank is not None and group_rank != node):
+        raise ValueError(f"{where}: owners='per-node' needs each node's ranks numbered consecutively (as torchrun "
+                         f"does): RANK={rank} is not GROUP_RANK * LOCAL_WORLD_SIZE + LOCAL_RANK "
+                         f"({group_rank} * {local_world} + {local_rank})")
+    return NodeLayout(world_size, local_world, node, local_rank)
+
+
+# (world_size, ranks_per_node) -> (this rank's node group, the owners' group, the default group
+# they were made under): made once per layout and job, shared by the layers.
+_GROUPS: dict = {}
+
+
+def create_groups(layout: Optional[NodeLayout] = None) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+    """The process groups of ``owners="per-node"`` for this process: (its node's ranks, the
+    owners of all nodes; None off the owners). Made on the first call after
+    ``init_process_group`` (every rank must call it: KT layers do on first use), then reused."""
+    layout = layout or node_layout()
+    if not dist.is_initialized():
+        raise RuntimeError("kt_ops: owners='per-node' makes its process groups from the default one: call "
+                           "torch.distributed.init_process_group before the first forward")
+    default = dist.distributed_c10d._get_default_group()
+    key = (layout.world_size, layout.ranks_per_node)
+    made = _GROUPS.get(key)
+    if made is None or made[2] is not default:  # a new job in this process (tests) makes new groups
+        node_groups = [dist.new_group(layout.node_ranks(n)) for n in range(layout.nodes)]
+        owners = dist.new_group(layout.owner_ranks())
+        made = _GROUPS[key] = (node_groups[layout.node], owners if layout.local_rank == 0 else None, default)
+    return made[0], made[1]
+
+
+@dataclasses.dataclass
+class Placement:
+    """A KT layer's rank, world size and owner within the group its tokens go through, and its
+    process groups (made lazily for ``owners="per-node"``)."""
+    rank: int
+    world_size: int
+    owner_rank: int
+    layout: Optional[NodeLayout] = None          # owners="per-node"
+    _process_group: Optional[dist.ProcessGroup] = None
+    _replica_group: Optional[dist.ProcessGroup] = None
+
+    @property
+    def is_owner(self) -> bool:
+        return self.rank == self.owner_rank
+
+    def replicas(self) -> int:
+        """How many owners hold the experts (the size of the replica group), without making it."""
+        if self.layout is not None:
+            return self.layout.nodes
+        return self._replica_group.size() if self._replica_group is not None else 1
+
+    @property
+    def process_group(self) -> Optional[dist.ProcessGroup]:
+        if self.layout is not None and self.layout.world_size > 1:
+            return create_groups(self.layout)[0]
+        return self._process_group
+
+    @property
+    def expert_replica_group(self) -> Optional[dist.ProcessGroup]:
+        if self.layout is not None and self.layout.world_size > 1:
+            return create_groups(self.layout)[1]
+        return self._replica_group
+
+
+def resolve(owners: Optional[str], owner_rank: int, process_group: Optional[dist.ProcessGroup],
+            expert_replica_group: Optional[dist.ProcessGroup], where: str) -> Placement:
+    """One placement from a layer's arguments: ``owners`` names it, or the groups given by
+    hand (``process_group``, ``owner_rank``, ``expert_replica_group``) do, never both."""
+    if owners is None:
+        rank, world_size = discover_rank(process_group)
+        if not 0 <= owner_rank < world_size:
+            raise ValueError(f"{where}: owner_rank must be in [0, {world_size}), got {owner_rank}")
+        return Placement(rank, world_size, owner_rank, None, process_group, expert_replica_group)
+    if owners not in OWNERS:
+        raise ValueError(f"{where}: owners must be one of {', '.join(map(repr, OWNERS))} or None, got {owners!r}")
+    if process_group is not None or expert_replica_group is not None or owner_rank != 0:
+        raise ValueError(f"{where}: owners={owners!r} places the experts itself; leave process_group, "
+                         f"expert_replica_group and owner_rank at their defaults (or pass those instead of owners)")
+    if owners == "rank0":
+        rank, world_size = discover_rank()
+        return Placement(rank, world_size, 0)
+    layout = node_layout(where)
+    return Placement(layout.local_rank, layout.ranks_per_node, 0, layout)
