@@ -3,7 +3,8 @@
 the process group. It trains exactly as the same 4 ranks with the node groups built by hand
 (trainer_run.py --nodes 2, itself checked against one process in test_trainer.py /
 test_one_owner_per_node.py): the same losses, the same trained tensors, and node 1's owner ends
-with node 0's experts."""
+with node 0's experts. The main job (kt_ops.finetune --owners per-node) logs the one-owner job's
+losses, and a failure on the second node's owner ends both nodes fast."""
 import json
 import os
 import subprocess
@@ -13,22 +14,24 @@ import pytest
 import torch
 
 from test_finetune import ROOT, TINY, _free_port
-from test_resume_and_faults import STEPS, adapter, losses, ok, torchrun
+from test_resume_and_faults import FAULT_LIMIT_S, STEPS, TIMED_OUT, adapter, losses, ok, torchrun
 
 pytest.importorskip("transformers")
 SCRIPT = ("tests/trainer_run.py",)
 COMMON = ["--train-router", "--steps", "3"]
 
 
-def two_node_commands(args, ranks_per_node, module=SCRIPT):
+def two_node_commands(args, ranks_per_node, module=SCRIPT, fault=None, timeout=240):
     """``torchrun --nnodes 2 --node-rank {0,1} ... <module> <args>``, both at once, as two nodes
-    of this machine would run them; [(process, stdout, stderr)] per node."""
+    of this machine would run them, each under ``timeout``; [(process, stdout, stderr)] per node."""
     env = dict(os.environ, OMP_NUM_THREADS="1")
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "KT_OPS_FINETUNE_FAULT"):
         env.pop(name, None)
+    if fault:
+        env["KT_OPS_FINETUNE_FAULT"] = fault
     port = _free_port()
     procs = [subprocess.Popen(
-        ["timeout", "-k", "5", "240", sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+        ["timeout", "-k", "5", str(timeout), sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
          "--node-rank", str(node), "--nproc-per-node", str(ranks_per_node), "--master-addr", "127.0.0.1",
          "--master-port", str(port), *module, *args],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for node in (0, 1)]
@@ -75,3 +78,19 @@ def test_the_main_job_on_two_nodes_with_an_owner_each_logs_the_one_owner_losses(
     assert got.keys() == want.keys() and got
     for name in want:  # AdamW turns reduction-order noise in tiny gradients into steps: by norm
         assert (got[name] - want[name]).norm() <= 1e-4 * want[name].norm(), name
+
+
+def test_a_failure_on_the_second_nodes_owner_ends_both_nodes_fast(tmp_path):
+    """Node 1's owner raises inside kt.moe at step 2: both torchrun commands end non-zero within
+    FAULT_LIMIT_S (each runs under `timeout`, so a hang fails here), node 1 with the original
+    message and node 0 with the same message from kt_ops' fault channel (or ended by torchrun)."""
+    runs = two_node_commands([*TINY, *STEPS, "--owners", "per-node", "--output-dir", str(tmp_path / "out")],
+                             ranks_per_node=1, module=("-m", "kt_ops.finetune"), fault="kt@1:2",
+                             timeout=FAULT_LIMIT_S)
+    message = "injected kt failure at step 2 on rank 1"
+    for node, (proc, _, err) in enumerate(runs):
+        assert proc.returncode not in (0, *TIMED_OUT), (node, proc.returncode, err[-4000:])
+    assert f"RuntimeError: {message}" in runs[1][2], runs[1][2][-4000:]
+    node0 = runs[0][2]
+    assert f"kt_ops.faults.RemoteRankFailure: kt_ops: rank 1 failed: RuntimeError: {message}" in node0 \
+        or "SIGTERM" in node0, node0[-4000:]
