@@ -23,7 +23,6 @@ from __future__ import annotations
 from torch import nn
 
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
-from kt_ops.placement import create_groups
 
 _OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
 
@@ -67,7 +66,4 @@ def create_process_groups(model: nn.Module) -> None:
     step would trace their making). Every rank must call it (``new_group`` is collective);
     :class:`kt_ops.hf.KTTrainer` does."""
     for _, layer in _kt_layers(model):
-        layout = layer._placement.layout
-        if layout is not None and layout.world_size > 1:
-            create_groups(layout)  # made once per layout, then shared
-
+        layer._placement.create_groups()  # made once per layout, then shared

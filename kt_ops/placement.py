@@ -81,11 +81,10 @@ def node_layout(where: str = "kt_ops") -> NodeLayout:
 _GROUPS: dict = {}
 
 
-def create_groups(layout: Optional[NodeLayout] = None) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+def create_groups(layout: NodeLayout) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     """The process groups of ``owners="per-node"`` for this process: (its node's ranks, the
     owners of all nodes; None off the owners). Made on the first call after
     ``init_process_group`` (every rank must call it: KT layers do on first use), then reused."""
-    layout = layout or node_layout()
     if not dist.is_initialized():
         raise RuntimeError("kt_ops: owners='per-node' makes its process groups from the default one: call "
                            "torch.distributed.init_process_group before the first forward")
@@ -120,17 +119,22 @@ class Placement:
             return self.layout.nodes
         return self._replica_group.size() if self._replica_group is not None else 1
 
+    def create_groups(self) -> Optional[tuple]:
+        """(node group, owners' group) of a multi-rank ``owners="per-node"`` placement, made on
+        the first call (see :func:`create_groups`); None for the others, whose groups were given."""
+        if self.layout is None or self.layout.world_size == 1:
+            return None
+        return create_groups(self.layout)
+
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
-        if self.layout is not None and self.layout.world_size > 1:
-            return create_groups(self.layout)[0]
-        return self._process_group
+        made = self.create_groups()
+        return self._process_group if made is None else made[0]
 
     @property
     def expert_replica_group(self) -> Optional[dist.ProcessGroup]:
-        if self.layout is not None and self.layout.world_size > 1:
-            return create_groups(self.layout)[1]
-        return self._replica_group
+        made = self.create_groups()
+        return self._replica_group if made is None else made[1]
 
 
 def resolve(owners: Optional[str], owner_rank: int, process_group: Optional[dist.ProcessGroup],

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <type_traits>
 
-#include "platform/simd.h"
 #include "platform/vec.h"
 
 namespace kt {

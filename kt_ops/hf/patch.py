@@ -125,7 +125,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             f"(model_type={model_type!r}). kt_ops patches the routed experts of transformers 5.x MoE models: "
             "modules of an experts class decorated with @use_experts_implementation "
             "(gate_up_proj [E, 2I, H], down_proj [E, H, I]).")
-    resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model")  # checked first
+    # Checked before any module changes; whether this rank owns the experts is the same for all.
+    owner = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model").is_owner
     for name, experts in targets:  # check every module before changing any
         why = experts_support(experts)
         if why is None and fmt.quantized:
@@ -136,7 +137,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     for name, experts in targets:
         new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
                                owner_rank=owner_rank, process_group=process_group, expert_format=fmt,
-                               expert_replica_group=expert_replica_group, owners=owners)
+                               expert_replica_group=expert_replica_group, owners=owners, owner=owner)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
@@ -155,7 +156,8 @@ def _top_k(experts: nn.Module, num_experts: int) -> int:
 def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, train_base: bool,
                      owner_rank: int, process_group: Optional[dist.ProcessGroup],
                      expert_format: quantization.ExpertFormat,
-                     expert_replica_group: Optional[dist.ProcessGroup], owners: Optional[str]) -> KTExperts:
+                     expert_replica_group: Optional[dist.ProcessGroup], owners: Optional[str],
+                     owner: bool) -> KTExperts:
     layout = ExpertsLayout.of(experts)
     gate_up = experts.gate_up_proj
     E, I, H = layout.sizes(gate_up)
@@ -164,7 +166,6 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     # weights come from the model: build on the meta device; non-owners allocate none), and
     # without touching the global RNG (KTMoE.reset_parameters draws from it except on the meta
     # device), so that every rank stays in RNG step.
-    owner = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model").is_owner
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if owner else nullcontext()):
         kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
