@@ -90,6 +90,20 @@ def test_quant_gemv_nn_times_panels_and_thin_per_format():
     assert all(float(r[k]) > 0 for r in rows for k in ("memory_ms", "cache_ms", "memory_gw", "cache_gw"))
 
 
+def test_width_generic_kernels_times_every_path_it_can_run():
+    from benchmarks import width_generic_kernels
+    from kt_ops.cpu_isa import supported_cpu_isas
+
+    rows = width_generic_kernels.main(["--hidden", "128", "--intermediate", "32", "--experts", "2", "--rows", "5",
+                                       "--repeats", "1"])
+    paths = [isa for isa in ("avx2", "avx512", "avx512_bf16") if isa in supported_cpu_isas()]
+    gemv_paths = [isa for isa in paths if isa != "avx512_bf16"]
+    assert [r["path"] for r in rows if r["kernel"].startswith("int4")] == gemv_paths * 8
+    assert [r["path"] for r in rows if r["kernel"].startswith("swiglu")] == [isa for _ in range(2) for isa in paths
+                                                                              for _ in range(2)]
+    assert all(r["ms"] > 0 for r in rows)
+
+
 def test_suite_fp8_reference_leaves_out_the_quantization(tmp_path):
     """--reference kt.moe-fp8-fp32: kt.moe-fp8's errors are its bf16 rounding alone (well under
     the 4e-2 of the weights' fp8 quantization); kt-kernel-fp8 runs where kt-kernel is installed,
