@@ -12,6 +12,8 @@ TORCHRUN = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK"
 
 
 def set_env(monkeypatch, **values):
+    """torchrun's environment with these values, as a process sees it before init_process_group."""
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)
     for name in TORCHRUN:
         monkeypatch.delenv(name, raising=False)
     for name, value in values.items():
