@@ -44,7 +44,9 @@ def moe(
 
     Args:
         hidden_states: ``[..., H]``, float32, bfloat16 or float64 (bf16 accumulates in fp32).
-        topk_ids: ``[..., K]`` int32 or int64, each in ``[0, E)``; same leading dims.
+        topk_ids: ``[..., K]`` int32 or int64, each in ``[0, E)`` or ``-1``: an empty slot,
+            which adds nothing to ``y`` and gets a routing-weight gradient of 0 (a sharded
+            layer sends an owner the slots of other owners' experts as -1); same leading dims.
         topk_weights: ``[..., K]`` float32, bfloat16 or float64 routing weights.
         gate_proj, up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]``: in the dtype of
             hidden_states, or quantized (frozen, weight-only; see :mod:`kt_ops.quantization`):

@@ -30,7 +30,11 @@ def moe_reference(hidden_states, topk_ids, topk_weights, gate_proj, up_proj, dow
     T = hidden_states.shape[:-1].numel()  # not reshape(-1, K): ambiguous when K == 0
     x = hidden_states.reshape(T, H)
     ids = topk_ids.reshape(T, K).long()
-    w = topk_weights.reshape(T, K)
+    # Empty slots (id -1) compute expert 0 with their weight masked to 0: they add nothing, and
+    # the masked weight's gradient is 0.
+    empty = ids < 0
+    ids = ids.masked_fill(empty, 0)
+    w = topk_weights.reshape(T, K).masked_fill(empty, 0)
 
     def gathered(t):
         return None if t is None else t[ids]  # [T, K, ...]

@@ -53,6 +53,7 @@ def make_moe_inputs(
     mode: str = "inference",
     noncontiguous: bool = False,
     empty_experts: bool = False,
+    empty_slots: bool = False,
     seed: int = 0,
     lora_scale: float = 1.5,
     device: str = "cpu",
@@ -63,7 +64,9 @@ def make_moe_inputs(
     mode: "lora" (LoRA + hidden + topk_weights require grad), "full" (base weights + hidden +
     topk_weights; no LoRA), "hybrid" (all of them), "inference" (nothing requires grad).
     Each token gets K distinct experts; with empty_experts only a subset of the experts is
-    used, so at least one expert receives no token. noncontiguous makes every tensor a
+    used, so at least one expert receives no token. empty_slots sets about a third of the ids,
+    and every id of token 0, to -1 (empty slots, as a sharded layer's owner receives them).
+    noncontiguous makes every tensor a
     strided view with the same values.
     """
     if mode not in MODES:
@@ -90,7 +93,12 @@ def make_moe_inputs(
     else:
         allowed = torch.arange(E)
     order = torch.rand(T, len(allowed), generator=gen).argsort(dim=1)[:, :K]
-    ids = allowed[order].reshape(*T_shape, K).to(ids_dtype)
+    ids = allowed[order]
+    if empty_slots:
+        empty = torch.rand(T, K, generator=gen) < 1 / 3
+        empty[:1] = True
+        ids = ids.masked_fill(empty, -1)
+    ids = ids.reshape(*T_shape, K).to(ids_dtype)
     weights = torch.softmax(torch.randn(T, K, generator=gen, dtype=torch.float64), dim=-1)
     weights = (weights + 0.1).reshape(*T_shape, K).to(weights_dtype)
 
@@ -183,6 +191,12 @@ def sample_matrix() -> List[MoeSample]:
         MoeSample("fp32-hidden-fp64-weights-lora", dict(weights_dtype=f64, mode="lora", r=3)),
         # > 256 rows per expert: forward splits an expert's rows over several blocks.
         MoeSample("many-tokens-hybrid", dict(T_shape=(400,), E=3, K=2, mode="hybrid", r=2)),
+        # Empty slots (id -1): some slots of some tokens, every slot of token 0.
+        MoeSample("empty-slots-hybrid", dict(T_shape=(7,), E=4, K=3, mode="hybrid", r=3, empty_slots=True)),
+        MoeSample("empty-slots-lora-bf16", dict(T_shape=(7,), E=4, K=3, mode="lora", r=2, dtype=bf16,
+                                                empty_slots=True)),
+        MoeSample("empty-slots-int32-full", dict(T_shape=(300,), E=3, K=2, mode="full", ids_dtype=torch.int32,
+                                                 empty_slots=True)),
         # K = 0: tokens routed to no expert at all (output and hidden gradient are zero).
         MoeSample("K0-hybrid", dict(K=0, mode="hybrid", r=3)),
     ]

@@ -73,7 +73,7 @@ def both(*mutations):
 CASES = [
     # Expert ids out of range (values: not visible to a fake kernel).
     Case("ids-too-large", set_id(E), IndexError, "topk_ids", fake=False),
-    Case("ids-negative", set_id(-1), IndexError, "topk_ids", fake=False),
+    Case("ids-negative", set_id(-2), IndexError, "topk_ids", fake=False),  # -1 is an empty slot
     Case("ids-far-too-large", set_id(10**9), IndexError, "topk_ids", fake=False),
     # Shapes of routing tensors.
     Case("ids-wrong-T", reshaped("topk_ids", T + 1, K), ValueError, "topk_ids"),

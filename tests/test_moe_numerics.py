@@ -329,3 +329,29 @@ def test_lora_scale_is_applied():
         assert rel_err(out, ref_out) < 1e-5, scale
         for name in grads:
             assert rel_err(grads[name], ref_grads[name]) < 1e-5, (scale, name)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_slots_are_the_slots_left_out(dtype):
+    """An empty slot (id -1) is exactly a slot that is not there: the output and the hidden and
+    LoRA gradients equal those of the call whose routing weight there is 0 (the expert is the
+    same, so every row is computed alike), and the empty slot's routing-weight gradient is 0
+    while the zero-weight slot's is not."""
+    kwargs = make_moe_inputs(T_shape=(9,), E=4, K=3, r=2, mode="lora", dtype=dtype, empty_slots=True, seed=3)
+    empty = kwargs["topk_ids"] < 0
+    assert empty.any() and (~empty).any()
+    grad_out = grad_output_for(kwargs)
+    out, grads = run_op(clone_inputs(kwargs), grad_out)
+
+    zero_weight = clone_inputs(kwargs)
+    zero_weight["topk_ids"] = kwargs["topk_ids"].masked_fill(empty, 1)
+    with torch.no_grad():
+        zero_weight["topk_weights"].masked_fill_(empty, 0)
+    out_zero, grads_zero = run_op(zero_weight, grad_out)
+    torch.testing.assert_close(out, out_zero, rtol=0, atol=0)
+    for name in grads:
+        if name != "topk_weights":
+            torch.testing.assert_close(grads[name], grads_zero[name], rtol=1e-6, atol=1e-6, msg=name)
+    assert (grads["topk_weights"][empty] == 0).all()
+    assert (grads_zero["topk_weights"][empty] != 0).any()
+    torch.testing.assert_close(grads["topk_weights"][~empty], grads_zero["topk_weights"][~empty])

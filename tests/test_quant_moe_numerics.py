@@ -54,3 +54,14 @@ def test_quantized_and_dense_projections_mix():
     kwargs = quantized_inputs("int8", None, T_shape=(20,), H=128, I=64, E=4, K=2, r=4, dtype=f32, mode="lora", seed=13)
     kwargs["down_proj"] = quantization.dequantize(kwargs["down_proj"], kwargs.pop("down_scale"))
     check_against_reference({**kwargs, "down_scale": None}, f32)
+
+
+@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("T", [2, 48], ids=["decode", "gemm"])
+def test_moe_with_empty_slots(fmt, group, T):
+    """Empty slots (id -1, as a sharded layer's owner receives them) on quantized experts: output
+    and gradients against float64 on the dequantized weights, decode GEMVs and panel GEMMs."""
+    kwargs = quantized_inputs(fmt, group, T_shape=(T,), H=256, I=128, E=4, K=2, r=4, dtype=f32, mode="lora",
+                              seed=11, empty_slots=True)
+    assert (kwargs["topk_ids"] < 0).any()
+    check_against_reference(kwargs, f32)

@@ -125,7 +125,7 @@ std::vector<at::Tensor> moe_backward_cpu(const MoeArgs& args, const at::Tensor& 
   const bool need_x = need(kGate) || need(kGateA) || need(kGateB) || need(kUp) || need(kUpA) || need(kUpB);
 
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
-  const int64_t N = routing.num_pairs();
+  const int64_t N = routing.num_routed();
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.out;
 
@@ -152,7 +152,8 @@ std::vector<at::Tensor> moe_backward_cpu(const MoeArgs& args, const at::Tensor& 
   const auto packed = packed_experts(gate_proj, up_proj, down_proj, in.gate.data, in.up.data, in.down.data,
                                      /*forward_call=*/false);
   BlockRows dx_rows(need(kHidden) ? N : 0, in.x.scalar_type());  // dx of every sorted row, kept per block
-  at::Tensor dw_rows = need(kWeights) ? at::empty({N}, in.x.options().dtype(acc)) : at::Tensor();
+  at::Tensor dw_rows = need(kWeights) ? at::empty({N + 1}, in.x.options().dtype(acc)) : at::Tensor();
+  if (need(kWeights)) dw_rows[N].zero_();  // the weight gradient of an empty slot
 
   for_each_block(expert_blocks(routing, /*max_rows=*/0), [&](const ExpertBlock& blk) {
     // Rows [n, padded) are zeros (see padded_rows): they add nothing to any gradient.
@@ -223,7 +224,11 @@ std::vector<at::Tensor> moe_backward_cpu(const MoeArgs& args, const at::Tensor& 
   }
   if (need(kWeights)) {
     // Back from sorted rows to (token, slot) order, in the dtype of topk_weights.
-    grads[kWeights] = dw_rows.index_select(0, routing.row_of_pair)
+    // An empty slot (row -1) gets 0: its expert is not this call's (dw_rows' extra last row).
+    const at::Tensor rows = routing.has_empty_slots()
+                                ? at::where(routing.row_of_pair.ge(0), routing.row_of_pair, N)
+                                : routing.row_of_pair;
+    grads[kWeights] = dw_rows.index_select(0, rows)
                           .to(args.topk_weights.scalar_type())
                           .view(args.topk_weights.sizes());
   } else {

@@ -72,6 +72,7 @@ void combine_rows(const BlockRows& rows, const at::Tensor& row_of_pair,
       for (int64_t t = t0; t < t1; ++t) {
         std::fill(acc.begin(), acc.end(), acc_t(0));
         for (int64_t j = 0; j < K; ++j) {
+          if (row_of[t * K + j] < 0) continue;  // an empty slot adds nothing
           const scalar_t* r = static_cast<const scalar_t*>(rows.row(row_of[t * K + j]));
           const acc_t s = w ? w[t * K + j] : acc_t(1);
           for (int64_t h = 0; h < H; ++h) acc[h] += s * static_cast<acc_t>(r[h]);

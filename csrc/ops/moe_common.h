@@ -50,7 +50,8 @@ class BlockRows {
   std::vector<const void*> row_;
 };
 
-// out[t] = sum_j scale[t, j] * rows.row(row_of_pair[t*K + j])   (scale == nullopt: plain sum)
+// out[t] = sum_j scale[t, j] * rows.row(row_of_pair[t*K + j])   (scale == nullopt: plain sum;
+// a pair whose row is -1, an empty slot, adds nothing)
 // rows: C = H values each, in out's dtype; scale: [T, K] in the accumulation dtype; out:
 // [T, H] contiguous. Accumulated in the accumulation dtype, in slot order j = 0..K-1, so that
 // the result does not depend on the thread count.

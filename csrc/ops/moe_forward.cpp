@@ -51,7 +51,7 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const MoeArgs& args, bool sav
   const int64_t H = in.x.size(1);
   const int64_t I = in.gate.out;
   const ExpertRouting routing = route_to_experts(in.ids, in.gate.data.size(0));
-  const int64_t N = routing.num_pairs();
+  const int64_t N = routing.num_routed();
 
   // oneDNN-packed base weights once they have stayed the same for a few calls (see
   // packed_weights.h); nullptr: plain at::mm on the weights as they are.
@@ -65,8 +65,10 @@ std::tuple<at::Tensor, at::Tensor> moe_forward_cpu(const MoeArgs& args, bool sav
   const auto gate_b_t = transposed_lora_b(in.lora.gate_b);
   const auto up_b_t = transposed_lora_b(in.lora.up_b);
   const auto down_b_t = transposed_lora_b(in.lora.down_b);
-  // Every row is written below (empty_large: recycled across calls, see large_alloc.h).
-  at::Tensor activations = empty_large({2, save_activations ? N : 0, I}, in.x.options());
+  // Rows [0, N) are written below (empty_large: recycled across calls, see large_alloc.h). The
+  // shape stays [2, T*K, I] with empty slots too (the fake kernel knows no ids): rows past N are
+  // never read, and pages never touched are never backed by memory.
+  at::Tensor activations = empty_large({2, save_activations ? in.x.size(0) * routing.top_k : 0, I}, in.x.options());
   BlockRows expert_out(N, in.x.scalar_type());  // o of every sorted row, kept per block
 
   for_each_block(blocks, [&](const ExpertBlock& blk) {

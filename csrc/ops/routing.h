@@ -1,6 +1,7 @@
 // Grouping of the (token, slot) pairs of a kt.moe call by expert.
 //
-// A pair p = t*K + j sends token t to expert topk_ids[t, j]. The experts' kernels work on
+// A pair p = t*K + j sends token t to expert topk_ids[t, j], or nowhere when that id is -1 (an
+// empty slot: a sharded layer's slots whose expert another owner holds). The experts' kernels work on
 // dense blocks of rows, so the pairs are put in expert order (a stable counting sort: the
 // order is the same on every call with the same ids, which keeps results deterministic and
 // lets backward rebuild exactly the order forward saved its activations in).
@@ -19,14 +20,16 @@ struct ExpertRouting {
   std::vector<int64_t> offsets;  // [E+1]: rows of expert e are [offsets[e], offsets[e+1])
   at::Tensor sorted_pairs;       // int64 [N]: the pair at each sorted row
   at::Tensor sorted_tokens;      // int64 [N]: its token (sorted_pairs / K)
-  at::Tensor row_of_pair;        // int64 [N]: inverse of sorted_pairs
+  at::Tensor row_of_pair;        // int64 [T*K]: the sorted row of each pair, -1 for an empty slot
 
   int64_t rows(int64_t e) const { return offsets[e + 1] - offsets[e]; }
-  int64_t num_pairs() const { return num_tokens * top_k; }
+  // N: the pairs routed to an expert (T*K less the empty slots).
+  int64_t num_routed() const { return offsets.back(); }
+  bool has_empty_slots() const { return num_routed() != num_tokens * top_k; }
 };
 
-// topk_ids: [T, K] int32 or int64 on the CPU. Raises IndexError naming topk_ids when an id
-// is negative or >= num_experts.
+// topk_ids: [T, K] int32 or int64 on the CPU, each in [0, num_experts) or -1 (empty slot).
+// Raises IndexError naming topk_ids for any other id.
 ExpertRouting route_to_experts(const at::Tensor& topk_ids, int64_t num_experts);
 
 // A block of rows [begin, end) of one expert: the unit of work handed to a thread.
