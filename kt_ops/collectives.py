@@ -33,9 +33,11 @@ from torch.fx.node import has_side_effect
 from kt_ops import faults
 from kt_ops.profiler_ranges import profiler_range
 
-# Header layout: one int64 row per rank.
-_OP, _TAG, _ROWS, _WIDTH, _DTYPE, _NUM_TENSORS, _SIGNATURE = range(7)
-_OP_CODES = {"gather_to_owner": 1, "scatter_from_owner": 2, "gather_to_owner_sized": 3}
+# Header layout: one int64 row per rank, then the op's per-destination row counts (if any).
+_OP, _TAG, _ROWS, _WIDTH, _DTYPE, _NUM_TENSORS, _SIGNATURE, _LAYOUT = range(8)
+_HEADER_FIELDS = 8
+_OP_CODES = {"gather_to_owner": 1, "scatter_from_owner": 2, "gather_to_owner_sized": 3,
+             "dispatch_to_shards": 4, "dispatch_to_shards_sized": 5, "combine_from_shards": 6}
 _OP_NAMES = {v: k for k, v in _OP_CODES.items()}
 _DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.float16, torch.int32,
            torch.int64, torch.int8, torch.uint8, torch.bool]
@@ -58,20 +60,26 @@ def _check_rank(op: str, group: dist.ProcessGroup, rank: int, world_size: int, o
 
 
 def _exchange_headers(op: str, group: dist.ProcessGroup, tag: int, rows: int,
-                      tensors: Sequence[Tensor]) -> Tensor:
-    """All-gathers each rank's header and checks that all ranks run the same call."""
+                      tensors: Sequence[Tensor], layout: int = 0, counts: Sequence[int] = ()) -> Tensor:
+    """All-gathers each rank's header and checks that all ranks run the same call. ``layout``
+    (an op's placement, e.g. its expert shards) must agree too; ``counts`` (rows this rank
+    sends to each rank) ride along unchecked: ``headers[r, _HEADER_FIELDS + d]``."""
     sample = tensors[0]
     width = math.prod(sample.shape[1:])
     dtype = _dtype_code(sample.dtype)
     signature = sum((i + 1) * (math.prod(t.shape[1:]) * 64 + _dtype_code(t.dtype)) for i, t in enumerate(tensors))
     # On the rows' device: NCCL only moves device tensors.
-    mine = torch.tensor([_OP_CODES[op], tag, rows, width, dtype, len(tensors), signature], dtype=torch.int64,
-                        device=sample.device)
+    # Every op's header has the same length (world_size counts, zeros for the owner ops), so
+    # that ranks running different ops still meet in one all-gather and get the error below.
+    counts = list(counts) or [0] * group.size()
+    mine = torch.tensor([_OP_CODES[op], tag, rows, width, dtype, len(tensors), signature, layout, *counts],
+                        dtype=torch.int64, device=sample.device)
     slots = [torch.empty_like(mine) for _ in range(group.size())]
     faults.wait_for([dist.all_gather(slots, mine, group=group, async_op=True)], group)
     headers = torch.stack(slots).cpu()
     for field, what in ((_OP, "op"), (_TAG, "tag"), (_WIDTH, "row width"), (_DTYPE, "dtype"),
-                        (_NUM_TENSORS, "number of tensors"), (_SIGNATURE, "row shapes or dtypes")):
+                        (_NUM_TENSORS, "number of tensors"), (_SIGNATURE, "row shapes or dtypes"),
+                        (_LAYOUT, "expert shards")):
         if (headers[:, field] != headers[0, field]).any():
             calls = ", ".join(
                 f"rank {r}: kt.{_OP_NAMES.get(int(h[_OP]), '?')}(tag={int(h[_TAG])}, rows={int(h[_ROWS])}, "

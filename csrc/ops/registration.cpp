@@ -90,6 +90,25 @@ TORCH_LIBRARY(kt, m) {
       "int owner_rank, int tag, str group_name) -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 
+  // The sharded layer's all-to-all (kernels and autograd: kt_ops/shard_collectives.py; fakes:
+  // meta_kernels/shard_collectives.py). Shard s, on group rank s, holds the experts
+  // [expert_starts[s], expert_starts[s+1]).
+  m.def(
+      "dispatch_to_shards(Tensor[] rows, Tensor[] slots, Tensor topk_ids, int[] expert_starts, int rank, "
+      "int world_size, int tag, str group_name) -> (Tensor[] rows_out, Tensor[] slots_out, Tensor local_ids, "
+      "Tensor recv_counts)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "dispatch_to_shards_sized(Tensor[] rows, Tensor[] slots, Tensor topk_ids, Tensor recv_counts, "
+      "SymInt total_rows, int[] expert_starts, int rank, int world_size, int tag, str group_name) "
+      "-> (Tensor[] rows_out, Tensor[] slots_out)",
+      {at::Tag::pt2_compliant_tag});
+  m.def(
+      "combine_from_shards(Tensor[] rows, Tensor[] slots, Tensor topk_ids, Tensor recv_counts, "
+      "int[] expert_starts, int rank, int world_size, int tag, str group_name) "
+      "-> (Tensor[] rows_out, Tensor[] slots_out)",
+      {at::Tag::pt2_compliant_tag});
+
   // Identity whose gradient is multiplied by `scale` (kt_ops/layer.py uses it to give the
   // owner's expert gradients DDP's average-over-ranks meaning).
   m.def("scale_grad(Tensor self, float scale) -> Tensor", {at::Tag::pt2_compliant_tag});
