@@ -11,7 +11,9 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from kt_ops import quantization
+from kt_ops.expert_init import draw_experts
 from kt_ops.placement import resolve as resolve_placement
+from kt_ops.shard_collectives import shard_starts
 
 _layer_ids = itertools.count()
 
@@ -83,6 +85,15 @@ class KTMoE(nn.Module):
     local rank 0 owns, the groups are made on first use; :mod:`kt_ops.placement`);
     ``owners="rank0"`` is the default placement, named.
 
+    Sharded experts (``expert_shards=S``): the experts are split into S contiguous ranges
+    (``expert_starts``; sizes differ by at most one) held by the group's ranks 0..S-1 (of each
+    node with ``owners="per-node"``), each allocating only its own range (``expert_range``;
+    its expert tensors are ``[E_s, ...]``). Each token goes only to the shards of its experts
+    (``kt.dispatch_to_shards``), every owner runs ``kt.moe`` on what it received, and the
+    partial outputs come back summed in float32 in shard order (``kt.combine_from_shards``);
+    backward is the adjoint. Gradients mean what they mean with one owner. ``S = 1`` is the
+    one-owner layer (same code path).
+
     The rank and world size come from ``process_group`` (or the default group) when it
     exists, else from ``RANK``/``WORLD_SIZE`` (see :mod:`kt_ops.rank_discovery`).
     """
@@ -94,7 +105,8 @@ class KTMoE(nn.Module):
                  router: Optional[nn.Module] = None, expert_format: Optional[str] = None,
                  group_size: Optional[int] = None, expert_replica_group: Optional[dist.ProcessGroup] = None,
                  swiglu_limit: Optional[float] = None, activation: str = "silu",
-                 swiglu_alpha: Optional[float] = None, expert_bias: bool = False, owners: Optional[str] = None):
+                 swiglu_alpha: Optional[float] = None, expert_bias: bool = False, owners: Optional[str] = None,
+                 expert_shards: int = 1):
         super().__init__()
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
@@ -134,9 +146,16 @@ class KTMoE(nn.Module):
         self.lora_scale = self.lora_alpha / lora_rank if lora_rank else 1.0
         self.train_base = train_base
         self.norm_topk_prob = norm_topk_prob
-        self._placement = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "KTMoE")
+        self._placement = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "KTMoE",
+                                            expert_shards, num_experts)
         self.rank, self.world_size = self._placement.rank, self._placement.world_size
         self.owner_rank = self._placement.owner_rank
+        self.expert_shards = self._placement.shards
+        self.expert_starts = shard_starts(num_experts, self.expert_shards)
+        shard = self._placement.shard
+        # The experts this rank holds (global ids): all of them on a one-owner layer's owner.
+        self.expert_range = range(self.expert_starts[shard], self.expert_starts[shard + 1]) if shard is not None \
+            else range(0)
         self.layer_id = next(_layer_ids)  # same on every rank when the model is built the same way
 
         self.set_replicated_parameters(None, dtype, trainable=bool(lora_rank or train_base))  # default device
@@ -145,7 +164,7 @@ class KTMoE(nn.Module):
         self.gate = router if router is not None else SoftmaxTopKRouter(
             hidden_size, num_experts, top_k, norm_topk_prob, dtype=dtype)
         if self.is_owner:
-            E, I, H = num_experts, intermediate_size, hidden_size
+            E, I, H = len(self.expert_range), intermediate_size, hidden_size
             cpu = {"dtype": dtype, "device": "cpu"} if not _building_on_meta() else {"dtype": dtype}
             for name, scale_name, (out, inp) in zip(_BASE_NAMES, _SCALE_NAMES, ((I, H), (I, H), (H, I))):
                 if expert_format is None:
@@ -201,14 +220,17 @@ class KTMoE(nn.Module):
 
     @property
     def is_owner(self) -> bool:
-        return self.rank == self.owner_rank
+        """Whether this rank holds experts (the owner, or the owner of a shard)."""
+        return self._placement.is_owner
 
     def reset_parameters(self) -> None:
         """Router from the global RNG; experts from a generator seeded by one draw of it.
 
         Every rank draws the same numbers from the global RNG whether or not it owns the
         experts, so the rest of a model built after this layer initialises identically on
-        all ranks (and like a single-process run with the same seed)."""
+        all ranks (and like a single-process run with the same seed). An owner of a shard
+        gets the values its experts have in the draw of all of them (kt_ops.expert_init), so
+        the shard count never changes the weights."""
         if self._on_meta_device():
             return
         with torch.no_grad():
@@ -219,8 +241,9 @@ class KTMoE(nn.Module):
                 return
             g = torch.Generator().manual_seed(expert_seed)
             E, I, H = self.num_experts, self.intermediate_size, self.hidden_size
+            mine = self.expert_range
             for name, scale_name, (out, fan_in) in zip(_BASE_NAMES, _SCALE_NAMES, ((I, H), (I, H), (H, I))):
-                w = torch.randn(E, out, fan_in, generator=g) * fan_in ** -0.5
+                w = draw_experts(torch.randn, (E, out, fan_in), g, mine) * fan_in ** -0.5
                 if self.expert_format is None:
                     getattr(self, name).copy_(w)
                 else:
@@ -231,7 +254,7 @@ class KTMoE(nn.Module):
                 for name in ("gate_lora_a", "up_lora_a", "down_lora_a"):
                     a = getattr(self, name)  # PEFT's init: kaiming_uniform(a=sqrt(5)) = U(±1/sqrt(in))
                     bound = a.shape[-1] ** -0.5
-                    a.copy_(torch.rand(a.shape, generator=g) * (2 * bound) - bound)
+                    a.copy_(draw_experts(torch.rand, (E,) + tuple(a.shape[1:]), g, mine) * (2 * bound) - bound)
                 for name in ("gate_lora_b", "up_lora_b", "down_lora_b"):
                     nn.init.zeros_(getattr(self, name))
 
@@ -277,21 +300,21 @@ class KTMoE(nn.Module):
             param._kt_replica_hook = placement
 
     def share_expert_grad_norm(self) -> None:
-        """The owner broadcasts the norm of its expert gradients to the other ranks of the
-        layer's group, which keep it as ``expert_grad_norm.grad`` (the owner keeps 0 there): a
-        rank's local gradient norm then includes the experts' on every rank. Runs at the end of
-        each backward through the layer (see :meth:`register_gradient_hooks`)."""
+        """The squared norms of the owners' expert gradients are summed over the layer's group;
+        each rank keeps the part it does not hold as ``expert_grad_norm.grad`` (sqrt of the
+        total less its own: 0 on a one-owner layer's owner), so that a rank's local gradient
+        norm includes all the experts' on every rank. Runs at the end of each backward through
+        the layer (see :meth:`register_gradient_hooks`)."""
         self._norm_share_queued = False
         share = self.expert_grad_norm
-        total = torch.zeros(1, dtype=torch.float64, device=share.device)
+        own = torch.zeros(1, dtype=torch.float64, device=share.device)
         if self.is_owner:
             for p in self._unique_expert_tensors():
                 if p.grad is not None:
-                    total += p.grad.detach().double().pow(2).sum().to(total.device)
-        group = self.process_group
-        src = dist.get_global_rank(group, self.owner_rank) if group is not None else self.owner_rank
-        dist.broadcast(total, src=src, group=group)
-        share.grad = torch.zeros_like(share) if self.is_owner else total.sqrt().to(share.dtype)
+                    own += p.grad.detach().double().pow(2).sum().to(own.device)
+        total = own.clone()
+        dist.all_reduce(total, group=self.process_group)  # only the owners add a non-zero
+        share.grad = (total - own).clamp(min=0).sqrt().to(share.dtype)
 
     def expert_scales(self) -> tuple:
         """The owner's (gate_scale, up_scale, down_scale) of quantized experts, or three Nones."""
@@ -311,7 +334,7 @@ class KTMoE(nn.Module):
 
     def expert_nbytes(self) -> int:
         """Bytes held by the base expert weights on this rank, scales (and biases) included (0
-        off the owner)."""
+        off the owners; an owner's shard only)."""
         if not self.is_owner:
             return 0
         biases = sum(b.numel() * b.element_size() for b in self.expert_biases() if b is not None)
@@ -319,7 +342,8 @@ class KTMoE(nn.Module):
 
     def dequantized_experts(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(gate [E, I, H], up [E, I, H], down [E, H, I])`` in float32: the weights kt.moe
-        computes with (for quantized experts, exactly its dequantized values). Owner only."""
+        computes with (for quantized experts, exactly its dequantized values). Owner only; a
+        shard's owner gets its experts (``expert_range``)."""
         if not self.is_owner:
             raise RuntimeError(f"KTMoE.dequantized_experts: rank {self.rank} does not hold the experts "
                                f"(owner_rank={self.owner_rank})")
@@ -392,6 +416,8 @@ class KTMoE(nn.Module):
                 "hidden_states, the routing weights nor the layer's grad_anchor require grad here, so this "
                 "rank would not run the backward the owner's experts need. Leave grad_anchor trainable "
                 "(it is a 0-element parameter), or make the layer's input require grad.")
+        if self.expert_shards > 1:
+            return self._sharded_experts(x, ids, weights, anchor)
         args = (self.rank, self.world_size, self.owner_rank, self.layer_id, self._group_name())
         (x_all, ids_all, weights_all), lengths = torch.ops.kt.gather_to_owner([x, ids, weights], *args)
         if self.is_owner:
@@ -407,6 +433,22 @@ class KTMoE(nn.Module):
             # gradient, and this rank joins the backward collectives, whenever the owner's does.
             out_all = x_all + weights_all.sum(-1, keepdim=True).to(x_all.dtype) + anchor.to(x_all.dtype)
         (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
+        return out
+
+    def _sharded_experts(self, x: Tensor, ids: Tensor, weights: Tensor, anchor: Tensor) -> Tensor:
+        """The routed experts with ``expert_shards > 1``: each token to the shards of its experts
+        and back (kt_ops/shard_collectives.py), with the gradient scaling of the one-owner path."""
+        args = (self.expert_starts, self.rank, self.world_size, self.layer_id, self._group_name())
+        (x_in,), (weights_in,), local_ids, counts = torch.ops.kt.dispatch_to_shards([x], [weights], ids, *args)
+        if self.is_owner:
+            w = float(self.world_size)
+            x_in = torch.ops.kt.scale_grad(x_in, w)
+            weights_in = torch.ops.kt.scale_grad(weights_in, w)
+            out_in = torch.ops.kt.scale_grad(self._experts(x_in, local_ids, weights_in), 1.0 / w) + anchor.to(x.dtype)
+        else:
+            # [0, H], needing a gradient whenever an owner's does (see routed_experts).
+            out_in = x_in + weights_in.sum(-1, keepdim=True).to(x_in.dtype) + anchor.to(x_in.dtype)
+        (out,), _ = torch.ops.kt.combine_from_shards([out_in], [], ids, counts, *args)
         return out
 
 

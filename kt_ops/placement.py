@@ -6,6 +6,9 @@
   tokens to it, and the owners of all nodes average their expert gradients (each holds a
   replica of the experts): ``KTMoE(process_group=<the node's ranks>, owner_rank=0,
   expert_replica_group=<the owners>)`` without building those groups by hand.
+* ``expert_shards=S`` with either: the experts are split into S contiguous ranges held by the
+  first S ranks (of the job, or of each node); shard s's owners on all nodes average their
+  gradients.
 
 The layout comes from torchrun's environment (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``,
 ``LOCAL_WORLD_SIZE``, ``GROUP_RANK``: torchrun numbers the ranks of a node consecutively),
@@ -44,9 +47,9 @@ class NodeLayout:
     def node_ranks(self, node: int) -> list[int]:
         return list(range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node))
 
-    def owner_ranks(self) -> list[int]:
-        """The global ranks of the owners: each node's local rank 0."""
-        return [n * self.ranks_per_node for n in range(self.nodes)]
+    def owner_ranks(self, shard: int = 0) -> list[int]:
+        """The global ranks that own expert shard ``shard``: each node's local rank ``shard``."""
+        return [n * self.ranks_per_node + shard for n in range(self.nodes)]
 
 
 def node_layout(where: str = "kt_ops") -> NodeLayout:
@@ -76,25 +79,27 @@ def node_layout(where: str = "kt_ops") -> NodeLayout:
     return NodeLayout(world_size, local_world, node, local_rank)
 
 
-# (world_size, ranks_per_node) -> (this rank's node group, the owners' group, the default group
-# they were made under): made once per layout and job, shared by the layers.
+# (world_size, ranks_per_node, shards) -> (this rank's node group, its shard's owners' group,
+# the default group they were made under): made once per layout and job, shared by the layers.
 _GROUPS: dict = {}
 
 
-def create_groups(layout: NodeLayout) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
+def create_groups(layout: NodeLayout, shards: int = 1) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]:
     """The process groups of ``owners="per-node"`` for this process: (its node's ranks, the
-    owners of all nodes; None off the owners). Made on the first call after
-    ``init_process_group`` (every rank must call it: KT layers do on first use), then reused."""
+    owners of its expert shard on all nodes; None off the owners). Made on the first call
+    after ``init_process_group`` (every rank must call it: KT layers do on first use), then
+    reused."""
     if not dist.is_initialized():
         raise RuntimeError("kt_ops: owners='per-node' makes its process groups from the default one: call "
                            "torch.distributed.init_process_group before the first forward")
     default = dist.distributed_c10d._get_default_group()
-    key = (layout.world_size, layout.ranks_per_node)
+    key = (layout.world_size, layout.ranks_per_node, shards)
     made = _GROUPS.get(key)
     if made is None or made[2] is not default:  # a new job in this process (tests) makes new groups
         node_groups = [dist.new_group(layout.node_ranks(n)) for n in range(layout.nodes)]
-        owners = dist.new_group(layout.owner_ranks())
-        made = _GROUPS[key] = (node_groups[layout.node], owners if layout.local_rank == 0 else None, default)
+        owners = [dist.new_group(layout.owner_ranks(s)) for s in range(shards)]
+        mine = owners[layout.local_rank] if layout.local_rank < shards else None
+        made = _GROUPS[key] = (node_groups[layout.node], mine, default)
     return made[0], made[1]
 
 
@@ -108,10 +113,17 @@ class Placement:
     layout: Optional[NodeLayout] = None          # owners="per-node"
     _process_group: Optional[dist.ProcessGroup] = None
     _replica_group: Optional[dist.ProcessGroup] = None
+    shards: int = 1  # expert shards: shard s is held by rank owner_rank + s (owner_rank is 0 when > 1)
+
+    @property
+    def shard(self) -> Optional[int]:
+        """The expert shard this rank holds, or None."""
+        s = self.rank - self.owner_rank
+        return s if 0 <= s < self.shards else None
 
     @property
     def is_owner(self) -> bool:
-        return self.rank == self.owner_rank
+        return self.shard is not None
 
     def replicas(self) -> int:
         """How many owners hold the experts (the size of the replica group), without making it."""
@@ -124,7 +136,7 @@ class Placement:
         the first call (see :func:`create_groups`); None for the others, whose groups were given."""
         if self.layout is None or self.layout.world_size == 1:
             return None
-        return create_groups(self.layout)
+        return create_groups(self.layout, self.shards)
 
     @property
     def process_group(self) -> Optional[dist.ProcessGroup]:
@@ -137,15 +149,35 @@ class Placement:
         return self._replica_group if made is None else made[1]
 
 
+def check_shards(shards, num_experts: Optional[int], ranks: int, where: str, ranks_name: str = "ranks") -> int:
+    """``expert_shards`` checked against the experts and the ranks that can own a shard."""
+    if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
+        raise ValueError(f"{where}: expert_shards must be an int >= 1, got {shards!r}")
+    if num_experts is not None and shards > num_experts:
+        raise ValueError(f"{where}: expert_shards={shards} is more than the {num_experts} experts (num_experts)")
+    if shards > ranks:
+        raise ValueError(f"{where}: expert_shards={shards} needs {shards} ranks to own the shards, but there "
+                         f"{'is' if ranks == 1 else 'are'} {ranks} {ranks_name}")
+    return shards
+
+
 def resolve(owners: Optional[str], owner_rank: int, process_group: Optional[dist.ProcessGroup],
-            expert_replica_group: Optional[dist.ProcessGroup], where: str) -> Placement:
+            expert_replica_group: Optional[dist.ProcessGroup], where: str, expert_shards: int = 1,
+            num_experts: Optional[int] = None) -> Placement:
     """One placement from a layer's arguments: ``owners`` names it, or the groups given by
-    hand (``process_group``, ``owner_rank``, ``expert_replica_group``) do, never both."""
+    hand (``process_group``, ``owner_rank``, ``expert_replica_group``) do, never both. With
+    ``expert_shards=S`` the first S ranks of the group (of each node, for ``"per-node"``) hold
+    one shard each."""
     if owners is None:
         rank, world_size = discover_rank(process_group)
         if not 0 <= owner_rank < world_size:
             raise ValueError(f"{where}: owner_rank must be in [0, {world_size}), got {owner_rank}")
-        return Placement(rank, world_size, owner_rank, None, process_group, expert_replica_group)
+        shards = check_shards(expert_shards, num_experts, world_size, where,
+                              "ranks in the group" if process_group is not None else "ranks")
+        if shards > 1 and owner_rank != 0:
+            raise ValueError(f"{where}: with expert_shards={shards} the shards are held by the group's ranks "
+                             f"0..{shards - 1}: leave owner_rank at 0 (got {owner_rank})")
+        return Placement(rank, world_size, owner_rank, None, process_group, expert_replica_group, shards)
     if owners not in OWNERS:
         raise ValueError(f"{where}: owners must be one of {', '.join(map(repr, OWNERS))} or None, got {owners!r}")
     if process_group is not None or expert_replica_group is not None or owner_rank != 0:
@@ -153,6 +185,9 @@ def resolve(owners: Optional[str], owner_rank: int, process_group: Optional[dist
                          f"expert_replica_group and owner_rank at their defaults (or pass those instead of owners)")
     if owners == "rank0":
         rank, world_size = discover_rank()
-        return Placement(rank, world_size, 0)
+        shards = check_shards(expert_shards, num_experts, world_size, where)
+        return Placement(rank, world_size, 0, shards=shards)
     layout = node_layout(where)
-    return Placement(layout.local_rank, layout.ranks_per_node, 0, layout)
+    shards = check_shards(expert_shards, num_experts, layout.ranks_per_node, where,
+                          f"ranks per node (LOCAL_WORLD_SIZE={layout.ranks_per_node})")
+    return Placement(layout.local_rank, layout.ranks_per_node, 0, layout, shards=shards)

@@ -215,11 +215,11 @@ def _probe_gating(module: nn.Module, intermediate: int, limit: Optional[float], 
 
 
 def _masked(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> tuple[Tensor, Tensor]:
-    """Masked slots (ids outside [0, E)) -> expert 0 with weight 0: they add nothing, and their
-    routing-weight gradient is 0, as in transformers' loops that skip them. Branch-free, so it
-    traces under torch.compile."""
+    """Masked slots (ids outside [0, E)) -> kt.moe's empty slot (id -1, weight 0): no expert
+    computes them, they add nothing, and their routing-weight gradient is 0, as in
+    transformers' loops that skip them. Branch-free, so it traces under torch.compile."""
     valid = (top_k_index >= 0) & (top_k_index < num_experts)
-    ids = torch.where(valid, top_k_index, torch.zeros_like(top_k_index))
+    ids = torch.where(valid, top_k_index, torch.full_like(top_k_index, -1))
     weights = torch.where(valid, top_k_weights, torch.zeros_like(top_k_weights))
     return ids, weights
 
