@@ -21,13 +21,14 @@ from torch import Tensor
 _CHUNK = 1 << 22  # values per draw (16 MiB of float32); a multiple of 16
 
 
-def draw_experts(sampler, shape: tuple, generator: torch.Generator, experts: range) -> Tensor:
-    """``sampler(shape, generator=generator)[experts.start:experts.stop]`` (float32), drawing
+def draw_experts(sampler, shape: tuple, generator: torch.Generator, experts: range,
+                 dtype: torch.dtype = torch.float32) -> Tensor:
+    """``sampler(shape, generator=generator, dtype=dtype)[experts.start:experts.stop]``, drawing
     ``_CHUNK`` values at a time. ``sampler``: ``torch.randn`` or ``torch.rand``."""
     per_expert = math.prod(shape[1:])
     total = shape[0] * per_expert
     begin, end = experts.start * per_expert, experts.stop * per_expert
-    out = torch.empty((len(experts),) + tuple(shape[1:]))
+    out = torch.empty((len(experts),) + tuple(shape[1:]), dtype=dtype)
     flat = out.view(-1)
     pos = 0
     while pos < total:
@@ -35,7 +36,7 @@ def draw_experts(sampler, shape: tuple, generator: torch.Generator, experts: ran
         if total - (pos + n) < 16:  # never leave a tail under 16 values: draw it with this chunk
             n = total - pos
         lo, hi = max(pos, begin), min(pos + n, end)
-        values = sampler(n, generator=generator)
+        values = sampler(n, generator=generator, dtype=dtype)
         if lo < hi:
             flat[lo - begin:hi - begin].copy_(values[lo - pos:hi - pos])
         pos += n

@@ -4,6 +4,7 @@
     python -m kt_ops.finetune --compare-eager        # ... and the same run with HF's experts + PEFT
     torchrun --nproc-per-node 2 -m kt_ops.finetune   # 2 ranks (gloo); experts live on rank 0
     torchrun --nnodes 2 --node-rank N ... -m kt_ops.finetune --owners per-node   # an owner per node
+    torchrun --nproc-per-node 2 -m kt_ops.finetune --expert-shards 2   # experts split over 2 owners
 
 The model's experts are moved onto kt (``kt_ops.patch_model``, or ``kt_ops.hf.from_pretrained``
 straight from a ``--model`` checkpoint) with LoRA on the routed experts; everything else is
@@ -41,7 +42,8 @@ Multi-process (``WORLD_SIZE > 1``, e.g. torchrun): the Trainer sets up the proce
 global batch and each rank trains on its own contiguous shard of it. The experts and their LoRA
 live on rank 0 only (KTMoE gives them the DDP average of every rank's gradient and keeps them
 out of DDP), or with ``--owners per-node`` on each node's local rank 0 (the owners averaging
-their expert gradients, so the replicas stay equal); DDP averages the gradients of the other trainable parameters (``--also-train``).
+their expert gradients, so the replicas stay equal); with ``--expert-shards S`` the experts are split
+over the first S ranks (of each node); DDP averages the gradients of the other trainable parameters (``--also-train``).
 A rank with nothing of its own to train still runs the backward the owner waits for (KTMoE's
 grad anchor). The printed/recorded loss is the mean over ranks, which equals the
 single-process loss on the same global batch.
@@ -157,6 +159,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="where the experts live with several ranks: 'rank0' (one owner for the job) or "
                         "'per-node' (each node's local rank 0, from torchrun's --nnodes layout; the owners "
                         "average their expert gradients) (default: %(default)s)")
+    p.add_argument("--expert-shards", type=int, default=1, metavar="S",
+                   help="split each layer's experts over S owners: the first S ranks (of each node with "
+                        "--owners per-node), each holding and computing its share of the experts "
+                        "(default: %(default)s)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = p.parse_args(argv)
     for name in ("steps", "seq_len", "batch_size", "lora_rank"):
@@ -273,7 +279,7 @@ def build_kt_model(args, base: Optional[nn.Module] = None) -> nn.Module:
     checkpoint is read shard by shard straight into the patched model
     (:func:`kt_ops.hf.from_pretrained`): the unpatched model is never materialised."""
     patch = dict(lora_rank=args.lora_rank, lora_alpha=args.lora_alpha, train_base=False, owners=args.owners,
-                 expert_format=args.expert_format, group_size=args.group_size)
+                 expert_format=args.expert_format, group_size=args.group_size, expert_shards=args.expert_shards)
     if base is None and args.model:
         torch.manual_seed(args.seed + 1)  # the LoRA draws, as below
         model = kt_ops.hf.from_pretrained(args.model, dtype=DTYPES[args.dtype], device="cpu",
@@ -493,10 +499,13 @@ def _run(args, rank: int, world_size: int) -> FinetuneResult:
         "comparison": comparison,
         "versions": {"torch": torch.__version__, **_versions()},
     }
+    if args.expert_shards > 1:  # the shards gathered to rank 0: every rank takes part
+        kt_ops.save_adapter(model, args.output_dir, write=rank == 0)
     if rank == 0:
         out = args.output_dir
         os.makedirs(out, exist_ok=True)
-        kt_ops.save_adapter(model, out)
+        if args.expert_shards == 1:
+            kt_ops.save_adapter(model, out)
         if summary["also_trained"]:  # not part of the expert-LoRA adapter
             from safetensors.torch import save_file
             params = dict(model.named_parameters())

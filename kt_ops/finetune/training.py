@@ -13,7 +13,7 @@ checkpoints, ``--resume latest`` to the newest complete one, a failure on one ra
 
 Test hook: ``KT_OPS_FINETUNE_FAULT=WHAT@RANK:STEP`` makes rank RANK fail at optimizer step STEP
 (1-based): ``forward`` raises in the model's forward, ``kt`` in the experts' kt.moe forward
-(the owner rank), ``data`` in the dataset's ``__getitem__``, ``kill`` SIGKILLs the process as
+(the owner rank), ``kt-backward`` in its backward, ``data`` in the dataset's ``__getitem__``, ``kill`` SIGKILLs the process as
 the step begins, ``kill-in-save`` SIGKILLs it while the Trainer saves the checkpoint of step
 STEP (after the Trainer's own files, before kt's).
 """
@@ -157,7 +157,7 @@ def train_with_trainer(model: nn.Module, dataset: WindowDataset, args, label: st
 
 
 FAULT_VARIABLE = "KT_OPS_FINETUNE_FAULT"
-FAULTS = ("forward", "kt", "data", "kill", "kill-in-save")
+FAULTS = ("forward", "kt", "kt-backward", "data", "kill", "kill-in-save")
 
 
 class _FailingDataset(torch.utils.data.Dataset):
@@ -203,9 +203,9 @@ def fault_injection(spec: Optional[str], model: nn.Module, dataset: WindowDatase
                 return
             if what == "kill":
                 os.kill(os.getpid(), signal.SIGKILL)
-            if what == "kt":
+            if what in ("kt", "kt-backward"):
                 from kt_ops import faults
-                faults.inject_failure("moe_forward", message)
+                faults.inject_failure("moe_forward" if what == "kt" else "moe_backward", message)
             armed["on"] = what == "forward"
 
         def on_save(self, args, state, control, **kwargs):

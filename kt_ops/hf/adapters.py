@@ -80,16 +80,43 @@ def kt_factors_to_peft(A: Tensor, B: Tensor) -> tuple[Tensor, Tensor]:
     return A.reshape(E * r, fan_in), B.permute(1, 2, 0).reshape(B.shape[1], r * E)
 
 
-def kt_block_to_peft(block: nn.Module) -> dict[str, Tensor]:
+_LORA_PARTS = ("gate_lora_a", "gate_lora_b", "up_lora_b", "down_lora_a", "down_lora_b")
+
+
+def _all_experts_lora(kt) -> Optional[dict[str, Tensor]]:
+    """``{name: [E, ...]}`` of the five LoRA tensors of all experts: this rank's own on a
+    one-owner layer; on a sharded one, every owner's rows gathered in expert order on the
+    group's rank 0 (None elsewhere). Sharded: a collective of the layer's group."""
+    if kt.expert_shards == 1:
+        return {n: getattr(kt, n) for n in _LORA_PARTS}
+    from kt_ops.collectives import gather_to_owner
+
+    E, I, H, r = kt.num_experts, kt.intermediate_size, kt.hidden_size, kt.lora_rank
+    shapes = {"gate_lora_a": (r, H), "gate_lora_b": (I, r), "up_lora_b": (I, r), "down_lora_a": (r, I),
+              "down_lora_b": (H, r)}
+    group = kt.process_group
+    device = kt.grad_anchor.device  # where the job's collectives run (the GPU under NCCL)
+    rows = [getattr(kt, n).detach() if kt.is_owner else torch.empty((0,) + shapes[n], dtype=kt.expert_dtype)
+            for n in _LORA_PARTS]
+    gathered, _ = gather_to_owner([t.to(device) for t in rows], 0, group=group, tag=kt.layer_id)
+    if kt.rank != 0:
+        return None
+    assert all(t.shape[0] == E for t in gathered)
+    return {n: t.cpu() for n, t in zip(_LORA_PARTS, gathered)}
+
+
+def kt_block_to_peft(block: nn.Module, lora: Optional[dict[str, Tensor]] = None) -> dict[str, Tensor]:
     """The expert LoRA of one patched block in PEFT's layout, keys relative to the block
-    (``experts.base_layer.lora_A.weight`` ...: see the module docstring)."""
+    (``experts.base_layer.lora_A.weight`` ...: see the module docstring). ``lora``: the
+    block's LoRA tensors of all experts (default: the layer's own, on a one-owner layer)."""
     kt = block.experts
     if kt.gate_lora_a is not kt.up_lora_a and not torch.equal(kt.gate_lora_a, kt.up_lora_a):
         raise ValueError("save_adapter: gate_lora_a and up_lora_a differ; PEFT's LoRA on the fused "
                          "experts.gate_up_proj has one A shared by gate and up (patch_model ties them)")
-    fused_b = ExpertsLayout(interleaved=kt.gate_up_interleaved).fuse_gate_up(kt.gate_lora_b, kt.up_lora_b)
-    a, b = kt_factors_to_peft(kt.gate_lora_a, fused_b)
-    a_d, b_d = kt_factors_to_peft(kt.down_lora_a, kt.down_lora_b)
+    lora = lora if lora is not None else {n: getattr(kt, n) for n in _LORA_PARTS}
+    fused_b = ExpertsLayout(interleaved=kt.gate_up_interleaved).fuse_gate_up(lora["gate_lora_b"], lora["up_lora_b"])
+    a, b = kt_factors_to_peft(lora["gate_lora_a"], fused_b)
+    a_d, b_d = kt_factors_to_peft(lora["down_lora_a"], lora["down_lora_b"])
     out = {_GATE_UP_KEYS[0]: a, _GATE_UP_KEYS[1]: b, _DOWN_KEYS[0]: a_d, _DOWN_KEYS[1]: b_d}
     return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
 
@@ -135,13 +162,19 @@ def peft_block_to_kt(tensors: dict[str, Tensor], block: nn.Module, r: int,
     return out
 
 
-def adapter_state_dict(model: nn.Module) -> dict[str, Tensor]:
+def adapter_state_dict(model: nn.Module) -> Optional[dict[str, Tensor]]:
     """The expert LoRA of a patched model as the state dict PEFT saves
-    (``base_model.model.<block>.experts[.base_layer].lora_{A,B}.weight``, CPU tensors)."""
+    (``base_model.model.<block>.experts[.base_layer].lora_{A,B}.weight``, CPU tensors). With
+    sharded experts, a collective of the layers' group whose rank 0 gets the whole state dict
+    (the other ranks None)."""
     blocks = _blocks(model, "save_adapter")
-    state: dict[str, Tensor] = {}
+    state: Optional[dict[str, Tensor]] = {}
     for name, block in blocks:
-        for key, value in kt_block_to_peft(block).items():
+        lora = _all_experts_lora(block.experts)
+        if lora is None:
+            state = None  # still gathering every block, as the holder does
+            continue
+        for key, value in kt_block_to_peft(block, lora).items():
             state[f"{_PREFIX}{name}.{key}"] = value
     return state
 
@@ -176,11 +209,12 @@ def load_adapter_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, 
             kt.lora_alpha = float(lora_alpha)
         if not kt.is_owner:
             continue
+        mine = slice(kt.expert_range.start, kt.expert_range.stop)  # all experts unless sharded
         with torch.no_grad():
-            for kt_name in ("gate_lora_a", "gate_lora_b", "up_lora_b", "down_lora_a", "down_lora_b"):
+            for kt_name in _LORA_PARTS:
                 param = getattr(kt, kt_name)
                 if kt_name in tensors:
-                    param.copy_(tensors[kt_name])
+                    param.copy_(tensors[kt_name][mine])
                 elif kt_name.endswith("_b"):
                     param.zero_()  # projection without LoRA in the adapter
             if kt.up_lora_a is not kt.gate_lora_a:
@@ -192,7 +226,7 @@ def load_adapter_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, 
 # Public API
 
 
-def save_adapter(model: nn.Module, output_dir: str) -> None:
+def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> None:
     """Write the expert LoRA of a patched model in PEFT's adapter format.
 
     Writes ``output_dir/adapter_model.safetensors`` (PEFT keys
@@ -208,9 +242,12 @@ def save_adapter(model: nn.Module, output_dir: str) -> None:
     ``LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
     "experts.down_proj"])`` for the unpatched model (same ``r`` and ``lora_alpha`` for both).
 
-    Only the owner rank holds the expert LoRA: call this on the owner rank. Trainable expert
-    base weights (``train_base=True``) are not part of an adapter and are not saved (a
-    warning says so).
+    Only the owner rank holds the expert LoRA: call this on the owner rank. With sharded
+    experts (``expert_shards > 1``) call it on every rank of the layers' group: the shards are
+    gathered to the group's rank 0, which writes one adapter equal to what one process holding
+    all the experts writes (``write=False``: gather only, e.g. on other nodes' groups).
+    Trainable expert base weights (``train_base=True``) are not part of an adapter and are not
+    saved (a warning says so).
 
     Raises:
         ValueError: ``model`` is not patched, has no LoRA (``lora_rank=0``), or this is not the
@@ -224,14 +261,15 @@ def save_adapter(model: nn.Module, output_dir: str) -> None:
     kt0 = blocks[0][1].experts
     if not kt0.lora_rank:
         raise ValueError("save_adapter: the model was patched with lora_rank=0: there is no adapter to save")
-    if not kt0.is_owner:
+    if not kt0.is_owner and kt0.expert_shards == 1:
         raise ValueError(f"save_adapter: only the owner rank (owner_rank={kt0.owner_rank}) holds the expert "
                          f"LoRA; this is rank {kt0.rank}: call save_adapter on the owner rank")
     r = kt0.lora_rank
     scales = {(b.experts.lora_rank, b.experts.lora_scale) for _, b in blocks}
     if len(scales) != 1:
         raise ValueError(f"save_adapter: the patched blocks have different LoRA (rank, scale) pairs {sorted(scales)}")
-    if any(p.requires_grad for _, b in blocks for p in (b.experts.gate_proj, b.experts.up_proj, b.experts.down_proj)):
+    if kt0.is_owner and any(p.requires_grad for _, b in blocks
+                            for p in (b.experts.gate_proj, b.experts.up_proj, b.experts.down_proj)):
         warnings.warn("save_adapter: the expert base weights are trainable (train_base=True) but an adapter holds "
                       "only the LoRA: the base weights are not saved", stacklevel=2)
     alpha = kt0.lora_alpha if math.isclose(kt0.lora_scale, kt0.lora_alpha / r, rel_tol=1e-12) else kt0.lora_scale * r
@@ -239,9 +277,12 @@ def save_adapter(model: nn.Module, output_dir: str) -> None:
         alpha = int(alpha)
     if os.path.exists(output_dir) and not os.path.isdir(output_dir):
         raise ValueError(f"save_adapter: output_dir {output_dir!r} exists and is not a directory")
-    os.makedirs(output_dir, exist_ok=True)
 
-    state, config = adapter_state_dict(model), _adapter_config(model, r, alpha)
+    state = adapter_state_dict(model)  # sharded: gathered on the group's rank 0 (a collective)
+    if state is None or not write:
+        return
+    os.makedirs(output_dir, exist_ok=True)
+    config = _adapter_config(model, r, alpha)
     if peft_model is not None:
         state, config = combined_adapter(peft_model, state, r, alpha)
     from safetensors.torch import save_file

@@ -101,7 +101,7 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
                     train_base: bool = False, expert_format: Optional[str] = None, group_size: Optional[int] = None,
                     dtype: Optional[torch.dtype] = None, device: Optional[Union[str, torch.device]] = None,
                     owner_rank: int = 0, process_group: Optional[dist.ProcessGroup] = None,
-                    progress: bool = True, owners: Optional[str] = None) -> nn.Module:
+                    progress: bool = True, owners: Optional[str] = None, expert_shards: int = 1) -> nn.Module:
     """The model of checkpoint directory ``path``, patched by :func:`~kt_ops.hf.patch_model`,
     filled from its safetensors shards without ever holding the unpatched model in memory.
 
@@ -134,8 +134,9 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
         path: a local checkpoint directory (``config.json`` + ``model.safetensors`` or a
             sharded ``model.safetensors.index.json``).
         lora_rank, lora_alpha, train_base, expert_format, group_size, owner_rank,
-            process_group, owners: as :func:`~kt_ops.hf.patch_model` (``owners="per-node"``: every
-            node's owner reads the experts).
+            process_group, owners, expert_shards: as :func:`~kt_ops.hf.patch_model`
+            (``owners="per-node"``: every node's owner reads the experts; ``expert_shards=S``:
+            each shard's owner reads only its experts from the files).
         dtype: the model's dtype (default: the config's ``dtype``, else float32).
         device: where the non-expert weights go (default: the rank's GPU, ``cuda:LOCAL_RANK``,
             when CUDA is available, else the CPU). The experts always live on the owner's CPU.
@@ -150,7 +151,7 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     from accelerate import init_empty_weights
     from transformers import AutoConfig
 
-    owner = resolve_placement(owners, owner_rank, process_group, None, "from_pretrained").is_owner
+    owner = resolve_placement(owners, owner_rank, process_group, None, "from_pretrained", expert_shards).is_owner
     path = os.fspath(path)
     if not os.path.isdir(path):
         raise ValueError(f"from_pretrained: path must be a local checkpoint directory, got {path!r}")
@@ -173,14 +174,14 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
         model = _build_model(config, dtype)
     plan = _Plan(model, stored)
     patch_model(model, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base, owner_rank=owner_rank,
-                process_group=process_group, expert_format=fmt, owners=owners)
+                process_group=process_group, expert_format=fmt, owners=owners, expert_shards=expert_shards)
     weights = plan.weights_of([ref for f in files for ref in tensor_refs(f)])
 
     experts = {p: model.get_submodule(p) for p in plan.experts_paths}
     scale_dtype = _copied_int4_scale_dtype(weights, stored, fmt.name, fmt.group_size)
     for kt in experts.values():
         materialize_experts(kt, device, scale_dtype=scale_dtype)
-    todo = [w for w in weights if w.slot is None or experts[w.slot.path].is_owner]
+    todo = [w for w in weights if w.slot is None or _holds(experts[w.slot.path], w.slot.expert)]
     _Loader(model, plan, experts, device).load(todo, progress=progress and owner)
 
     _move_buffers(model, device)
@@ -192,6 +193,11 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     _attach_generation_config(model, path)
     model.config.name_or_path = path
     return model.eval()
+
+
+def _holds(kt, expert: Optional[int]) -> bool:
+    """Whether this rank reads an expert tensor (``expert`` None: a fused one, of all experts)."""
+    return kt.is_owner and (expert is None or expert in kt.expert_range)
 
 
 def _copied_int4_scale_dtype(weights: list, stored: CheckpointQuantization, expert_format: Optional[str],
@@ -510,20 +516,21 @@ class _Loader:
         slot = weight.slot
         kt = self.experts[slot.path]
         I = kt.intermediate_size
+        first = kt.expert_range.start  # the experts of this rank's shard sit at e - first
         if slot.expert is not None:
-            self._write(kt, slot.proj, slot.expert, self._stored(weight, expert=True), weight.name)
+            self._write(kt, slot.proj, slot.expert - first, self._stored(weight, expert=True), weight.name)
             return
         ref = weight.parts["value"]  # its shape was checked from the header (_Plan._check_parts)
-        for e in range(kt.num_experts):  # one expert at a time: a fused tensor is never read whole
+        for e in kt.expert_range:  # one expert at a time: a fused tensor is never read whole
             m = self._stored(weight, index=e, expert=True).data
             if slot.transposed:
                 m = m.t()
             name = f"{ref.key}[{e}]"
             if slot.proj == "gate_up_proj":
-                self._write(kt, "gate_proj", e, StoredMatrix(m[:I]), name)
-                self._write(kt, "up_proj", e, StoredMatrix(m[I:]), name)
+                self._write(kt, "gate_proj", e - first, StoredMatrix(m[:I]), name)
+                self._write(kt, "up_proj", e - first, StoredMatrix(m[I:]), name)
             else:
-                self._write(kt, "down_proj", e, StoredMatrix(m), name)
+                self._write(kt, "down_proj", e - first, StoredMatrix(m), name)
 
     @staticmethod
     def _write(kt, proj: str, e: int, matrix: StoredMatrix, name: str) -> None:

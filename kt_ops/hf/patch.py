@@ -22,6 +22,7 @@ from torch import nn
 
 from kt_ops import quantization
 from kt_ops.distributed import prepare_ddp
+from kt_ops.expert_init import draw_experts
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts, gating_of
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES, KTMoE
@@ -44,7 +45,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
                 process_group: Optional[dist.ProcessGroup] = None, expert_format: Optional[str] = None,
                 group_size: Optional[int] = None,
                 expert_replica_group: Optional[dist.ProcessGroup] = None,
-                owners: Optional[str] = None) -> nn.Module:
+                owners: Optional[str] = None, expert_shards: int = 1) -> nn.Module:
     """Replace, in place, every transformers experts module of ``model`` by a
     :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
@@ -91,6 +92,9 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         owners: ``"per-node"``: one owner per node from torchrun's environment, the groups made
             for you (:mod:`kt_ops.placement`); ``"rank0"``: the default, named. Not together
             with ``owner_rank`` / ``process_group`` / ``expert_replica_group``.
+        expert_shards: S > 1 splits each experts module's experts into S contiguous ranges held
+            by the first S ranks (of each node with ``owners="per-node"``); each owner keeps
+            only its range of the model's experts (:class:`~kt_ops.KTMoE`).
 
     Returns:
         ``model`` (patched in place). Parameters outside the experts keep their
@@ -126,7 +130,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
             "modules of an experts class decorated with @use_experts_implementation "
             "(gate_up_proj [E, 2I, H], down_proj [E, H, I]).")
     # Checked before any module changes; whether this rank owns the experts is the same for all.
-    owner = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model").is_owner
+    owner = resolve_placement(owners, owner_rank, process_group, expert_replica_group, "patch_model",
+                              expert_shards).is_owner
     for name, experts in targets:  # check every module before changing any
         why = experts_support(experts)
         if why is None and fmt.quantized:
@@ -137,7 +142,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
     for name, experts in targets:
         new = _convert_experts(experts, lora_rank=lora_rank, lora_alpha=lora_alpha, train_base=train_base,
                                owner_rank=owner_rank, process_group=process_group, expert_format=fmt,
-                               expert_replica_group=expert_replica_group, owners=owners, owner=owner)
+                               expert_replica_group=expert_replica_group, owners=owners, owner=owner,
+                               expert_shards=expert_shards)
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
@@ -157,7 +163,7 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                      owner_rank: int, process_group: Optional[dist.ProcessGroup],
                      expert_format: quantization.ExpertFormat,
                      expert_replica_group: Optional[dist.ProcessGroup], owners: Optional[str],
-                     owner: bool) -> KTExperts:
+                     owner: bool, expert_shards: int) -> KTExperts:
     layout = ExpertsLayout.of(experts)
     gate_up = experts.gate_up_proj
     E, I, H = layout.sizes(gate_up)
@@ -171,18 +177,19 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
                        dtype=gate_up.dtype, expert_format=expert_format,
                        expert_replica_group=expert_replica_group, owners=owners, expert_bias=layout.has_bias,
-                       **gating_of(experts))
+                       expert_shards=expert_shards, **gating_of(experts))
     kt.gate_up_interleaved = layout.interleaved  # the order of PEFT's fused gate_up LoRA rows (adapters)
     # One draw per layer on every rank (whether or not it owns the experts), like KTMoE.
     lora_seed = int(torch.randint(0, 2**62, ()).item())
     if kt.is_owner:
         on_meta = gate_up.device.type == "meta"
         cpu = gate_up.device if on_meta else torch.device("cpu")
+        mine = slice(kt.expert_range.start, kt.expert_range.stop)  # all of them unless sharded
         with torch.no_grad():
-            weights = {name: w.detach() for name, w in layout.weights(experts).items()}
+            weights = {name: w.detach()[mine] for name, w in layout.weights(experts).items()}
             for name, b in layout.biases(experts).items():
                 if b is not None:  # biases stay in the model's dtype, quantized experts or not
-                    setattr(kt, name, nn.Parameter(b.detach().to(cpu).contiguous(), requires_grad=train_base))
+                    setattr(kt, name, nn.Parameter(b.detach()[mine].to(cpu).contiguous(), requires_grad=train_base))
             for name, w in weights.items():
                 if not expert_format.quantized:
                     setattr(kt, name, nn.Parameter(w.to(cpu).contiguous(), requires_grad=train_base))
@@ -239,20 +246,22 @@ def materialize_experts(kt: KTExperts, device: torch.device, scale_dtype: Option
 
 def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> None:
     """PEFT-layout LoRA of the experts, PEFT's init (A ~ U(±1/sqrt(in)), B = 0), with the
-    gate and up A tied (one parameter: PEFT's single LoRA on the fused gate_up_proj)."""
+    gate and up A tied (one parameter: PEFT's single LoRA on the fused gate_up_proj). A shard's
+    owner gets its experts' rows of the draw for all of them."""
     E, I, H, r = kt.num_experts, kt.intermediate_size, kt.hidden_size, kt.lora_rank
+    mine = kt.expert_range
     dtype = kt.expert_dtype
     g = torch.Generator().manual_seed(seed)
 
     def a(fan_in):
         if on_meta:
-            return nn.Parameter(torch.empty(E, r, fan_in, dtype=dtype, device=device))
+            return nn.Parameter(torch.empty(len(mine), r, fan_in, dtype=dtype, device=device))
         bound = fan_in ** -0.5
-        return nn.Parameter((torch.rand(E, r, fan_in, generator=g, dtype=torch.float64) * (2 * bound) - bound)
-                            .to(device=device, dtype=dtype))
+        values = draw_experts(torch.rand, (E, r, fan_in), g, mine, dtype=torch.float64)
+        return nn.Parameter((values * (2 * bound) - bound).to(device=device, dtype=dtype))
 
     def b(out):
-        return nn.Parameter(torch.zeros(E, out, r, dtype=dtype, device=device))
+        return nn.Parameter(torch.zeros(len(mine), out, r, dtype=dtype, device=device))
 
     kt.gate_lora_a = a(H)
     kt.up_lora_a = kt.gate_lora_a  # tied: see patch_model's docstring

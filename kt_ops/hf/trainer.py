@@ -41,6 +41,11 @@ from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES
 _BASE_AND_SCALES = set(_BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES)  # the frozen base: weights, scales, biases
 
 
+def _sharded(model) -> bool:
+    experts = patched_experts(model) if model is not None else []
+    return bool(experts) and experts[0][1].expert_shards > 1
+
+
 def _own_optimizer_files(args) -> bool:
     """Whether kt writes the ranks' optimizer files (the Trainer's plain DDP path); FSDP and
     DeepSpeed save per-rank optimizer state of their own."""
@@ -66,9 +71,19 @@ class KTAdapterCallback(TrainerCallback):
             self.layout = checkpoints.job_layout(model)  # every rank is here: a collective is safe
         if self.save_frozen_experts:
             return control
-        params = dict(model.named_parameters())
+        params = dict(model.named_parameters(remove_duplicate=False))  # gate_lora_a's tied twin too
         frozen = {n for n in expert_parameter_names(model) if n.rsplit(".", 1)[-1] in _BASE_AND_SCALES
                   and not params[n].requires_grad}
+        if _sharded(model):
+            # Each owner holds other experts under the same names: rank 0's model file would give
+            # every owner shard 0's tensors on resume. The LoRA travels in the checkpoint's adapter
+            # instead (gathered on save, each owner's rows read back on resume).
+            if any(params[n].requires_grad and n.rsplit(".", 1)[-1] in _BASE_AND_SCALES
+                   for n in expert_parameter_names(model)):
+                raise ValueError("kt_ops: Trainer checkpoints of sharded experts (expert_shards > 1) with trainable "
+                                 "base weights (train_base=True) are not supported: the checkpoint holds the expert "
+                                 "LoRA only; train LoRA, or use one owner (expert_shards=1)")
+            frozen |= set(expert_parameter_names(model))
         # on the model whose save_pretrained the Trainer calls (a PEFT model saves adapters only)
         model._keys_to_ignore_on_save = set(getattr(model, "_keys_to_ignore_on_save", None) or ()) | frozen
         return control
@@ -83,7 +98,10 @@ class KTAdapterCallback(TrainerCallback):
         experts = patched_experts(model) if model is not None else []
         has_lora = bool(experts) and bool(experts[0][1].lora_rank)
         owners = self.layout.expert_owners if self.layout is not None else ()
-        if has_lora and experts[0][1].is_owner and rank == (owners[0] if owners else 0):  # one writer
+        writer = rank == (owners[0] if owners else 0)
+        if has_lora and _sharded(model):  # the shards gathered: every rank takes part, one writes
+            save_adapter(model, folder, write=writer)
+        elif has_lora and experts[0][1].is_owner and writer:  # one writer
             save_adapter(model, folder)
         if rank == 0 and self.layout is not None:
             per_rank = [checkpoints.rng_file(r, world) for r in range(world)]
@@ -128,6 +146,16 @@ class KTTrainerMixin:
                 return super().train(resume_from_checkpoint or None, *args, **kwargs)
             finally:
                 self._kt_resume = None
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        kt_model = self.model
+        if _sharded(kt_model) and patched_experts(kt_model)[0][1].lora_rank:
+            # The expert LoRA is not in the model file of sharded experts: each owner reads its
+            # rows of the checkpoint's adapter (kt_ops.hf.adapters.load_expert_part).
+            from kt_ops.hf.adapters import is_peft_model, load_expert_part
+
+            load_expert_part(kt_model.get_base_model() if is_peft_model(kt_model) else kt_model, resume_from_checkpoint)
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         reader = self._kt_resume
