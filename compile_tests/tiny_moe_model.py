@@ -78,9 +78,12 @@ class TinyMoELM(nn.Module):
 
 
 def make_lora_trainable(model: nn.Module, seed: int = 1) -> None:
-    """LoRA B starts at zero (PEFT); give it values so that LoRA A gets real gradients."""
+    """LoRA B starts at zero (PEFT); give it values so that LoRA A gets real gradients. A shard's
+    owner (expert_shards > 1) takes its experts' rows of the values all experts get."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if name.endswith("_lora_b"):
-                p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).to(p.dtype) * 0.1)
+                layer = model.get_submodule(name.rpartition(".")[0])
+                full = torch.randn((layer.num_experts,) + p.shape[1:], generator=g, dtype=torch.float32)
+                p.copy_(full[layer.expert_range.start:layer.expert_range.stop].to(p.dtype) * 0.1)
