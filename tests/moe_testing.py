@@ -14,12 +14,20 @@ TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 def randomize_lora(model: torch.nn.Module, picks, seed: int, scale: float = 0.2) -> None:
     """Overwrites the parameters whose name ``picks(name)`` accepts with ``scale * N(0, 1)``
     from a generator seeded with ``seed``, in parameter order: LoRA B factors start at zero
-    (kt's and PEFT's init), which would leave half of the gradients a test compares at zero."""
+    (kt's and PEFT's init), which would leave half of the gradients a test compares at zero.
+    A shard's owner (a KT layer with ``expert_shards > 1``) takes its experts' rows of the values
+    all experts get, so that every placement gets the same numbers."""
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if picks(name):
-                p.copy_(scale * torch.randn(p.shape, generator=g))
+                layer = model.get_submodule(name.rpartition(".")[0])
+                mine = getattr(layer, "expert_range", None)
+                if mine is None or getattr(layer, "expert_shards", 1) == 1:
+                    p.copy_(scale * torch.randn(p.shape, generator=g))
+                else:
+                    full = torch.randn((layer.num_experts,) + p.shape[1:], generator=g)
+                    p.copy_(scale * full[mine.start:mine.stop])
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -6,6 +6,8 @@ on attention (kt_ops.hf.get_peft_model). Each gives, step by step, the
 per-rank losses and the trained parameters (fp32, SGD) of one process that averages the two
 ranks' losses. The non-owner holds no expert tensor; with the expert LoRA alone it has nothing
 of its own to train and still runs the backward the owner needs (its KT layers' grad anchors).
+The same with the experts sharded over the two ranks (expert_shards=2): each holds and trains
+half of every layer's experts, whose rows equal the reference's.
 """
 import pytest
 import torch
@@ -69,10 +71,10 @@ def trained_state(model):
     return state
 
 
-def _worker(rank, world_size, engine, trained):
+def _worker(rank, world_size, engine, trained, shards=1):
     import kt_ops
 
-    model = set_trainable(build_model(), trained)
+    model = set_trainable(build_model(expert_shards=shards), trained)
     if engine == "ddp":
         net = torch.nn.parallel.DistributedDataParallel(model)  # patch_model marked the expert tensors
     else:
@@ -114,10 +116,11 @@ def rel_err(a, b):
     return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
 
 
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-owner", "two-shards"])
 @pytest.mark.parametrize("trained", ["lora", "lora+replicated", "lora+peft-attention"])
 @pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
-def test_two_ranks_equal_one_process(engine, trained, monkeypatch):
-    results = check_all_ok(run_ranks(_worker, 2, engine, trained, timeout_s=240, pg_timeout_s=120))
+def test_two_ranks_equal_one_process(engine, trained, shards, monkeypatch):
+    results = check_all_ok(run_ranks(_worker, 2, engine, trained, shards, timeout_s=240, pg_timeout_s=120))
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     ref_losses, ref_state = reference(trained)
@@ -126,13 +129,16 @@ def test_two_ranks_equal_one_process(engine, trained, monkeypatch):
             got, want = results[rank]["losses"][step], ref_losses[step][rank]
             assert abs(got - want) <= 1e-5 * abs(want), f"{engine}, rank {rank}, step {step}: {got} vs {want}"
     owner, other = results
-    assert owner["expert_names"] and other["expert_names"] == []  # the non-owner holds no expert tensor
-    assert any(".experts." in n for n in owner["state"])
-    assert not any(".experts." in n for n in other["state"])
+    assert owner["expert_names"] and any(".experts." in n for n in owner["state"])
+    if shards == 1:  # the non-owner holds no expert tensor
+        assert other["expert_names"] == [] and not any(".experts." in n for n in other["state"])
+    else:
+        assert other["expert_names"] == owner["expert_names"]
     assert any("q_proj.lora_A" in n for n in owner["state"]) == (trained == "lora+peft-attention")
     for name, want in ref_state.items():
-        if ".experts." in name:
-            assert rel_err(owner["state"][name], want) <= 1e-5, name
+        if ".experts." in name:  # sharded: rank 0's experts, then rank 1's
+            got = owner["state"][name] if shards == 1 else torch.cat([owner["state"][name], other["state"][name]])
+            assert rel_err(got, want) <= 1e-5, name
         else:  # replicated: the same on both ranks
             for rank, res in enumerate(results):
                 assert rel_err(res["state"][name], want) <= 1e-5, (rank, name)
