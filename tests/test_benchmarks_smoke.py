@@ -165,3 +165,22 @@ def test_decode_formats_alternates_paths():
                          cwd=REPO, check=True, timeout=300, capture_output=True, text=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("T=")]
     assert len(lines) == 2 and "  portable  " in lines[0] and "  avx2  " in lines[1]
+
+
+def test_sharded_layer_times_both_placements_and_counts_the_bytes():
+    """benchmarks/sharded_layer.py on a small layer: both placements run on 2 ranks; the bytes
+    per token are the all-to-all's own (one owner: rank 1's half of the tokens, each way; two
+    shards: more, every token reaching up to two owners)."""
+    from benchmarks import sharded_layer
+
+    H, K, T = 128, 2, 32
+    rows = sharded_layer.main(["--tokens", str(T), "--hidden", str(H), "--intermediate", "64", "--experts", "8",
+                               "--top-k", str(K), "--lora-rank", "4", "--dtypes", "fp32", "--steps", "1",
+                               "--repeats", "1"])
+    assert [r["config"] for r in rows] == list(sharded_layer.CONFIGS)
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    one_owner = rows[0]["bytes_per_token"]
+    # rank 1's T/2 tokens: x + ids (int64) + weights (fp32) there, out back; x's and weights' grads the same way
+    per_token = (H * 4 + K * 8 + K * 4) + H * 4 + H * 4 + (H * 4 + K * 4)
+    assert one_owner == per_token * (T // 2) / T
+    assert rows[1]["bytes_per_token"] > 0
