@@ -20,6 +20,8 @@ gradient clipping by a rank's local norm clips by the same factor everywhere.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 from torch import nn
 
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
@@ -67,3 +69,21 @@ def create_process_groups(model: nn.Module) -> None:
     :class:`kt_ops.hf.KTTrainer` does."""
     for _, layer in _kt_layers(model):
         layer._placement.create_groups()  # made once per layout, then shared
+
+
+def set_owner_threads(model: nn.Module) -> Optional[int]:
+    """On a rank that owns experts of ``model``'s KT layers, set torch's intra-op threads to what
+    its CPU affinity allows (:func:`kt_ops.placement.owner_thread_count`: the mask numactl or
+    taskset gave it, shared with the node's other owners when nothing bound them apart), and
+    return that count; None (nothing changed) on other ranks. torchrun starts every process with
+    ``OMP_NUM_THREADS=1``: without this an owner computes the experts on one core."""
+    import torch
+
+    from kt_ops.placement import owner_thread_count
+
+    owners = [layer for _, layer in _kt_layers(model) if layer.is_owner]
+    if not owners:
+        return None
+    threads = owner_thread_count(owners[0]._placement)
+    torch.set_num_threads(threads)
+    return threads

@@ -149,6 +149,32 @@ class Placement:
         return self._replica_group if made is None else made[1]
 
 
+def owners_on_this_node(placement: "Placement") -> int:
+    """How many expert owners share this process's node (torchrun's ``LOCAL_WORLD_SIZE`` says
+    which ranks are on it; without it, every rank is taken to be on one machine)."""
+    if placement.layout is not None:  # owners="per-node": the first S local ranks of every node
+        return min(placement.shards, placement.layout.ranks_per_node)
+    first = placement.owner_rank
+    owners = range(first, first + placement.shards)
+    local_world = _env_int("LOCAL_WORLD_SIZE")
+    if local_world is None or placement.world_size % local_world:
+        return len(owners)
+    node = placement.rank // local_world
+    return sum(1 for r in owners if r // local_world == node)
+
+
+def owner_thread_count(placement: "Placement") -> int:
+    """The intra-op threads an expert owner should compute with: the CPUs its affinity mask
+    allows (what ``numactl --cpunodebind`` or ``taskset`` gave it), split evenly between the
+    node's owners when the mask is the whole machine (nothing bound them apart)."""
+    import os
+
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if allowed >= (os.cpu_count() or allowed):
+        return max(1, allowed // max(1, owners_on_this_node(placement)))
+    return allowed
+
+
 def check_shards(shards, num_experts: Optional[int], ranks: int, where: str, ranks_name: str = "ranks") -> int:
     """``expert_shards`` checked against the experts and the ranks that can own a shard."""
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:

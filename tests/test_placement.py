@@ -95,3 +95,48 @@ def test_patch_model_and_from_pretrained_check_owners_first(monkeypatch):
         kt_ops.patch_model(model, lora_rank=2, owners="socket")
     with pytest.raises(ValueError, match="from_pretrained: owners='per-node' places the experts itself"):
         kt_ops.hf.from_pretrained("/nonexistent", owners="per-node", owner_rank=1)
+
+
+@pytest.mark.parametrize("owners,shards,env,expected", [
+    (None, 1, dict(RANK=0, WORLD_SIZE=2), 1),
+    (None, 2, dict(RANK=1, WORLD_SIZE=2), 2),
+    (None, 2, dict(RANK=1, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2), 2),  # ranks 0, 1: node 0
+    (None, 3, dict(RANK=2, WORLD_SIZE=4, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2), 1),  # rank 2 alone on node 1
+    ("per-node", 2, dict(RANK=3, WORLD_SIZE=4, LOCAL_RANK=1, LOCAL_WORLD_SIZE=2, GROUP_RANK=1), 2),
+], ids=["one-owner", "two-shards", "two-shards-one-node", "three-shards-two-nodes", "per-node"])
+def test_owners_on_this_node(monkeypatch, owners, shards, env, expected):
+    set_env(monkeypatch, **env)
+    where = placement.resolve(owners, 0, None, None, "test", shards, 8)
+    assert placement.owners_on_this_node(where) == expected
+
+
+@pytest.mark.parametrize("allowed,cpus,owners_here,expected", [
+    (range(16), 16, 1, 16),   # the whole machine, one owner: all of it
+    (range(16), 16, 2, 8),    # the whole machine, two owners, nothing bound them apart: half each
+    (range(8, 16), 16, 2, 8),  # bound to a socket (numactl --cpunodebind): its CPUs, whatever else runs
+    (range(3), 16, 2, 3),
+    (range(1), 1, 2, 1),      # never 0
+])
+def test_owner_thread_count_follows_the_affinity_mask(monkeypatch, allowed, cpus, owners_here, expected):
+    import os
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(allowed))
+    monkeypatch.setattr(os, "cpu_count", lambda: cpus)
+    monkeypatch.setattr(placement, "owners_on_this_node", lambda where: owners_here)
+    assert placement.owner_thread_count(None) == expected
+
+
+def test_set_owner_threads_sets_torch_threads_on_owners_only(monkeypatch):
+    import kt_ops
+
+    set_env(monkeypatch, RANK=1, WORLD_SIZE=2)
+    monkeypatch.setattr(placement, "owner_thread_count", lambda where: 3)
+    before = torch.get_num_threads()
+    try:
+        owner = torch.nn.Sequential(KTMoE(16, 8, 4, 2, dtype=torch.float32, expert_shards=2))
+        assert kt_ops.distributed.set_owner_threads(owner) == 3 and torch.get_num_threads() == 3
+        torch.set_num_threads(before)
+        not_owner = torch.nn.Sequential(KTMoE(16, 8, 4, 2, dtype=torch.float32))  # rank 1 of one owner
+        assert kt_ops.distributed.set_owner_threads(not_owner) is None and torch.get_num_threads() == before
+    finally:
+        torch.set_num_threads(before)

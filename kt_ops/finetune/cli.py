@@ -130,7 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--group-size", type=int, choices=quantization.GROUP_SIZES, default=None,
                    help="int4's input columns per scale (default: the checkpoint's, else 32)")
     p.add_argument("--threads", type=int, default=None,
-                   help="torch threads per process; default: torch's (follows OMP_NUM_THREADS)")
+                   help="torch threads per process; default: with several ranks, an expert owner takes the CPUs "
+                        "its affinity allows (numactl/taskset; split between the node's owners when unbound), "
+                        "the other ranks torch's (torchrun: OMP_NUM_THREADS=1); one process: torch's")
     p.add_argument("--backend", choices=BACKENDS, default="inductor",
                    help="torch.compile backend of the kt_ops run; 'none': no torch.compile "
                         "(default: %(default)s)")
@@ -453,6 +455,8 @@ def _run(args, rank: int, world_size: int) -> FinetuneResult:
         raise ValueError("--compare-eager runs in a single process only")
 
     model = build_kt_model(args)  # the built-in model, or --model streamed from its checkpoint
+    if not args.threads and world_size > 1:
+        kt_ops.distributed.set_owner_threads(model)  # torchrun gave every rank 1 thread
     note = slow_bf16_note(DTYPES[args.dtype], model.get_input_embeddings().weight.device.type,
                           best_cpu_isa())
     if note and rank == 0:

@@ -65,12 +65,14 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
 
     # ... and its save_pretrained (Trainer.save_model, Trainer checkpoints) writes the one
     # adapter holding both LoRAs (on the experts' owner; other ranks hold no expert LoRA).
+    # Sharded experts need every rank to gather them, which a call on one rank cannot do:
+    # there kt_ops.save_adapter on every rank (KTTrainer's checkpoints do) writes the whole.
     peft_save = peft_model.save_pretrained
 
     def save_pretrained(save_directory, *args, **kwargs):
         peft_save(save_directory, *args, **kwargs)
-        blocks = patched_blocks(peft_model.get_base_model())
-        if len(peft_model.peft_config) == 1 and blocks[0][1].experts.is_owner:
+        kt = patched_blocks(peft_model.get_base_model())[0][1].experts
+        if len(peft_model.peft_config) == 1 and kt.is_owner and kt.expert_shards == 1:
             save_adapter(peft_model, str(save_directory))
 
     peft_model.save_pretrained = save_pretrained
