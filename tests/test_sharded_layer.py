@@ -175,3 +175,102 @@ def test_bad_shards_raise_on_every_rank(kwargs, world, match):
     for r, res in enumerate(results):
         assert not isinstance(res, str), f"rank {r} built the layer"
         assert res.type_name == "ValueError" and re.search(match, res.message), res.message
+
+
+def _mismatch_worker(rank, world_size, shards_by_rank):
+    import kt_ops  # noqa: F401
+
+    torch.manual_seed(0)
+    layer = make_layer("lora", 6, 0, shards_by_rank[rank])
+    x = torch.randn(2, 3, H, requires_grad=True)
+    layer(x).sum().backward()
+    return "ran"
+
+
+@pytest.mark.parametrize("shards_by_rank", [(2, 1), (2, 3, 2)], ids=["S2-vs-S1", "S2-vs-S3"])
+def test_ranks_with_different_shards_raise_on_every_rank(shards_by_rank):
+    """Ranks built with different expert_shards meet in their first collective, whose header
+    differs (the op, or the expert layout): every rank raises, none hangs."""
+    results = run_ranks(_mismatch_worker, len(shards_by_rank), shards_by_rank, timeout_s=60)
+    for r, res in enumerate(results):
+        assert not isinstance(res, str), f"rank {r} ran"
+        assert "out of step" in res.message, res.message
+
+
+PER_NODE_LENGTHS = [[3, 5, 0, 4], [6, 2, 7, 1], [0, 0, 2, 5]]
+
+
+def _per_node_worker(rank, world_size, mode, E, seed):
+    import os
+
+    os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
+    import torch.distributed as dist
+
+    from kt_ops.layer import KTMoE
+
+    torch.manual_seed(seed)
+    layer = KTMoE(H, I, E, K, dtype=torch.float32, owners="per-node", expert_shards=2, **MODES[mode])
+    if layer.lora_rank:
+        gen = torch.Generator().manual_seed(seed + 1)
+        with torch.no_grad():
+            for name in _B_NAMES:
+                full = 0.3 * torch.randn((E,) + getattr(layer, name).shape[1:], generator=gen)
+                getattr(layer, name).copy_(full[layer.expert_range.start:layer.expert_range.stop])
+    steps = []
+    for step, lens in enumerate(PER_NODE_LENGTHS):
+        x, c = make_batch(step, rank, lens[rank])
+        x.requires_grad_(True)
+        layer.zero_grad(set_to_none=True)
+        y = layer(x)
+        (y * c).sum().backward()
+        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
+        router = layer.gate.weight.grad
+        dist.all_reduce(router)
+        router /= world_size
+        with torch.no_grad():
+            for p in layer.parameters():
+                if p.requires_grad and p.grad is not None:
+                    p -= LR * p.grad
+        steps.append(dict(y=y.detach(), x_grad=x.grad, grads=grads))
+    return dict(expert_range=(layer.expert_range.start, layer.expert_range.stop),
+                params={n: p.detach().clone() for n, p in layer.named_parameters()}, steps=steps)
+
+
+def test_two_nodes_of_two_shards_equal_one_process(monkeypatch):
+    """4 processes as 2 nodes x 2 ranks (torchrun's environment), owners="per-node",
+    expert_shards=2: each node's local rank s holds shard s, its tokens go to its own node's
+    owners, and shard s's owners on the two nodes average their gradients. Outputs, hidden-state
+    gradients, expert gradients (equal on both replicas of a shard) and 3 SGD steps equal one
+    process on the 4 ranks' batches (E = 7: shards of 4 and 3)."""
+    E, seed, world = 7, 5, 4
+    results = check_all_ok(run_ranks(_per_node_worker, world, "lora", E, seed, timeout_s=180))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ref = make_layer("lora", E, seed)
+    names = _expert_names(ref)
+    for step, lens in enumerate(PER_NODE_LENGTHS):
+        xs, cs = zip(*(make_batch(step, r, lens[r]) for r in range(world)))
+        xs = [x.requires_grad_(True) for x in xs]
+        ref.zero_grad(set_to_none=True)
+        y_all = ref(torch.cat([x.reshape(-1, H) for x in xs]))
+        ys = [y.reshape(x.shape) for y, x in zip(y_all.split([x.shape[0] * x.shape[1] for x in xs]), xs)]
+        (sum((y * c).sum() for y, c in zip(ys, cs)) / world).backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+        for rank, res in enumerate(results):
+            got, where = res["steps"][step], f"rank {rank}, step {step}"
+            assert rel_err(got["y"], ys[rank]) <= TOL, f"output, {where}"
+            assert rel_err(got["x_grad"] / world, xs[rank].grad) <= TOL, f"hidden-state gradient, {where}"
+            lo, hi = res["expert_range"]
+            assert (lo, hi) == ((0, 4) if rank % 2 == 0 else (4, 7))
+            for n in names:
+                if n in ref_grads:
+                    assert rel_err(got["grads"][n], ref_grads[n][lo:hi]) <= TOL, f"{n}.grad, {where}"
+        with torch.no_grad():
+            for p in ref.parameters():
+                if p.requires_grad and p.grad is not None:
+                    p -= LR * p.grad
+    ref_params = dict(ref.named_parameters())
+    for rank, res in enumerate(results):
+        lo, hi = res["expert_range"]
+        for n in names:
+            assert rel_err(res["params"][n], ref_params[n][lo:hi]) <= TOL, f"{n} after the steps, rank {rank}"

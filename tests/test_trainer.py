@@ -68,6 +68,24 @@ def test_trainer_under_torchrun_equals_one_process(tmp_path, extra):
         assert rel_err(t, multi["state"][name]) <= 1e-6, name
 
 
+@pytest.mark.parametrize("extra", [["--train-router", "--max-grad-norm", "1.0"], ["--train-router", "--checkpointing"]],
+                         ids=["lora+router-clipped", "lora+router-ckpt"])
+def test_trainer_with_two_expert_shards_equals_one_process(tmp_path, extra):
+    """expert_shards=2 on 2 ranks under the Trainer (clipping by the global norm: both ranks see
+    the norm of all experts' gradients; kt checkpointing): the losses and trained tensors of one
+    process, rank 0 holding experts 0-3 of each layer and rank 1 experts 4-7."""
+    single = run(tmp_path / "single", extra, 1)
+    sharded = run(tmp_path / "sharded", extra + ["--expert-shards", "2"], 2)
+    torch.testing.assert_close(torch.tensor(list(sharded["losses"].values())),
+                               torch.tensor(list(single["losses"].values())), rtol=1e-5, atol=1e-5)
+    other = torch.load(tmp_path / "sharded" / "replicated_rank1.pt")
+    experts = [n for n in single["state"] if ".experts." in n]
+    assert experts and set(sharded["state"]) == set(other) == set(single["state"])
+    for name, want in single["state"].items():
+        got = torch.cat([sharded["state"][name], other[name]]) if name in experts else sharded["state"][name]
+        assert rel_err(got, want) <= 1e-5, name
+
+
 def test_checkpoints_resume_the_same_loss_curve_and_hold_a_peft_adapter(tmp_path):
     """4 steps with a checkpoint every 2, then a new run resumed from checkpoint-2: steps 3-4 log
     the same losses and end with the same tensors. Each checkpoint holds the model without its

@@ -3,7 +3,8 @@ a patched tiny Qwen3-MoE (expert LoRA, optionally the routers too), for tests/te
 ``python tests/trainer_run.py OUT [--train-router]`` in one process or under
 ``torch.distributed.run``; ``--nodes N`` splits the ranks into N "nodes" of consecutive ranks,
 each with its own owner (one owner per node, the owners averaging their expert gradients), with
-process groups built here; ``--owners per-node`` does the same from torchrun's own node layout.
+process groups built here; ``--owners per-node`` does the same from torchrun's own node layout; ``--expert-shards S`` splits
+the experts over the first S ranks (rank r > 0 writes its expert shard with its replicated tensors).
 Rank 0 writes OUT/result.pt: the logged losses and the trained tensors. The per-device batch
 is the global batch / world size, so every world size trains on the same samples per step."""
 import argparse
@@ -34,6 +35,7 @@ def main(argv=None):
     p.add_argument("--owners", choices=["rank0", "per-node"], default=None,
                    help="the placement by name (kt_ops.placement: per-node from torchrun's --nnodes layout), "
                         "the model built before the Trainer sets up the process group")
+    p.add_argument("--expert-shards", type=int, default=1, help="the experts split over the first S ranks")
     args = p.parse_args(argv)
 
     import transformers
@@ -44,7 +46,8 @@ def main(argv=None):
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if args.owners and args.nodes != 1:
         p.error("--owners and --nodes are two ways of placing the owners: give one")
-    model = build_model(**(dict(owners=args.owners) if args.owners else node_groups(args.nodes, world)))
+    placement = dict(owners=args.owners) if args.owners else node_groups(args.nodes, world)
+    model = build_model(**placement, expert_shards=args.expert_shards)
     if args.attention_lora and args.train_router:
         p.error("--attention-lora and --train-router are separate cases")
     model = set_trainable(model, "lora+peft-attention" if args.attention_lora
