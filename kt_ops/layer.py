@@ -420,34 +420,30 @@ class KTMoE(nn.Module):
             return self._sharded_experts(x, ids, weights, anchor)
         args = (self.rank, self.world_size, self.owner_rank, self.layer_id, self._group_name())
         (x_all, ids_all, weights_all), lengths = torch.ops.kt.gather_to_owner([x, ids, weights], *args)
+        out_all = self._received_experts(x_all, ids_all, weights_all, anchor)
+        (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
+        return out
+
+    def _received_experts(self, x: Tensor, ids: Tensor, weights: Tensor, anchor: Tensor) -> Tensor:
+        """The experts on the rows this rank received (all ranks' on an owner, 0 rows elsewhere)."""
         if self.is_owner:
             # DDP semantics: the experts see every rank's loss, so scale their gradients by
             # 1/world_size, and undo the scale on the gradients that flow back to the ranks.
             w = float(self.world_size)
-            x_all = torch.ops.kt.scale_grad(x_all, w)
-            weights_all = torch.ops.kt.scale_grad(weights_all, w)
-            out_all = torch.ops.kt.scale_grad(self._experts(x_all, ids_all, weights_all), 1.0 / w) + anchor.to(x.dtype)
-        else:
-            # [0, H]: nothing to compute. Built from both gathered inputs and the grad anchor (0
-            # elements, so no arithmetic really happens) so that this rank's output needs a
-            # gradient, and this rank joins the backward collectives, whenever the owner's does.
-            out_all = x_all + weights_all.sum(-1, keepdim=True).to(x_all.dtype) + anchor.to(x_all.dtype)
-        (out,) = torch.ops.kt.scatter_from_owner([out_all], lengths, x.shape[0], *args)
-        return out
+            x = torch.ops.kt.scale_grad(x, w)
+            weights = torch.ops.kt.scale_grad(weights, w)
+            return torch.ops.kt.scale_grad(self._experts(x, ids, weights), 1.0 / w) + anchor.to(x.dtype)
+        # [0, H]: nothing to compute. Built from both received inputs and the grad anchor (0
+        # elements, so no arithmetic really happens) so that this rank's output needs a gradient,
+        # and this rank joins the backward collectives, whenever an owner's does.
+        return x + weights.sum(-1, keepdim=True).to(x.dtype) + anchor.to(x.dtype)
 
     def _sharded_experts(self, x: Tensor, ids: Tensor, weights: Tensor, anchor: Tensor) -> Tensor:
         """The routed experts with ``expert_shards > 1``: each token to the shards of its experts
         and back (kt_ops/shard_collectives.py), with the gradient scaling of the one-owner path."""
         args = (self.expert_starts, self.rank, self.world_size, self.layer_id, self._group_name())
         (x_in,), (weights_in,), local_ids, counts = torch.ops.kt.dispatch_to_shards([x], [weights], ids, *args)
-        if self.is_owner:
-            w = float(self.world_size)
-            x_in = torch.ops.kt.scale_grad(x_in, w)
-            weights_in = torch.ops.kt.scale_grad(weights_in, w)
-            out_in = torch.ops.kt.scale_grad(self._experts(x_in, local_ids, weights_in), 1.0 / w) + anchor.to(x.dtype)
-        else:
-            # [0, H], needing a gradient whenever an owner's does (see routed_experts).
-            out_in = x_in + weights_in.sum(-1, keepdim=True).to(x_in.dtype) + anchor.to(x_in.dtype)
+        out_in = self._received_experts(x_in, local_ids, weights_in, anchor)
         (out,), _ = torch.ops.kt.combine_from_shards([out_in], [], ids, counts, *args)
         return out
 

@@ -242,34 +242,35 @@ def _spread_lists(rows_in, slots_in, wanted, num_rows):
     return rows, slots
 
 
-def _dispatch_backward(ctx, grad_rows, grad_slots, _grad_ids, _grad_counts):
+def _adjoint(ctx, grad_rows, grad_slots, adjoint_op, num_args: int) -> tuple:
+    """Gradients of an op's ``rows`` and ``slots`` (then None for its other ``num_args - 2``
+    arguments): its adjoint op applied to its outputs' gradients, zeros where one is missing."""
     if not any(ctx.wanted):
-        return (None,) * 8
+        return (None,) * num_args
     topk_ids, recv_counts, g_rows, g_slots = _split_grads(ctx, grad_rows, grad_slots)
-    starts, rank, world, tag, group_name = ctx.comm_args
-    rows, slots = torch.ops.kt.combine_from_shards(g_rows, g_slots, topk_ids, recv_counts, starts, rank, world, tag,
-                                                   group_name)
-    return _spread_lists(rows, slots, ctx.wanted, ctx.num_rows) + (None,) * 6
+    rows, slots = adjoint_op(g_rows, g_slots, topk_ids, recv_counts, ctx.comm_args)
+    return _spread_lists(rows, slots, ctx.wanted, ctx.num_rows) + (None,) * (num_args - 2)
+
+
+def _combine_op(ctx):
+    return lambda rows, slots, ids, counts, comm: torch.ops.kt.combine_from_shards(rows, slots, ids, counts, *comm)
+
+
+def _dispatch_sized_op(ctx):
+    return lambda rows, slots, ids, counts, comm: torch.ops.kt.dispatch_to_shards_sized(
+        rows, slots, ids, counts, ctx.input_rows, *comm)
+
+
+def _dispatch_backward(ctx, grad_rows, grad_slots, _grad_ids, _grad_counts):
+    return _adjoint(ctx, grad_rows, grad_slots, _combine_op(ctx), 8)
 
 
 def _dispatch_sized_backward(ctx, grad_rows, grad_slots):
-    if not any(ctx.wanted):
-        return (None,) * 10
-    topk_ids, recv_counts, g_rows, g_slots = _split_grads(ctx, grad_rows, grad_slots)
-    starts, rank, world, tag, group_name = ctx.comm_args
-    rows, slots = torch.ops.kt.combine_from_shards(g_rows, g_slots, topk_ids, recv_counts, starts, rank, world, tag,
-                                                   group_name)
-    return _spread_lists(rows, slots, ctx.wanted, ctx.num_rows) + (None,) * 8
+    return _adjoint(ctx, grad_rows, grad_slots, _combine_op(ctx), 10)
 
 
 def _combine_backward(ctx, grad_rows, grad_slots):
-    if not any(ctx.wanted):
-        return (None,) * 9
-    topk_ids, recv_counts, g_rows, g_slots = _split_grads(ctx, grad_rows, grad_slots)
-    starts, rank, world, tag, group_name = ctx.comm_args
-    rows, slots = torch.ops.kt.dispatch_to_shards_sized(g_rows, g_slots, topk_ids, recv_counts, ctx.input_rows,
-                                                        starts, rank, world, tag, group_name)
-    return _spread_lists(rows, slots, ctx.wanted, ctx.num_rows) + (None,) * 7
+    return _adjoint(ctx, grad_rows, grad_slots, _dispatch_sized_op(ctx), 9)
 
 
 torch.library.register_autograd("kt::dispatch_to_shards", _dispatch_backward, setup_context=_dispatch_setup)

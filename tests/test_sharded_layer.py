@@ -21,8 +21,9 @@ import pytest
 import torch
 
 from distributed_harness import check_all_ok, run_ranks
+from test_distributed_layer import H, make_batch, reference_step  # one process on every rank's batch
 
-H, I, K = 16, 12, 3
+I, K = 12, 3
 TOL = 1e-5
 LR = 0.05
 
@@ -39,11 +40,11 @@ CASES = {
 _B_NAMES = ("gate_lora_b", "up_lora_b", "down_lora_b")
 
 
-def make_layer(mode: str, E: int, seed: int, shards: int = 1):
+def make_layer(mode: str, E: int, seed: int, shards: int = 1, **placement):
     from kt_ops.layer import KTMoE
 
     torch.manual_seed(seed)
-    layer = KTMoE(H, I, E, K, dtype=torch.float32, expert_shards=shards, **MODES[mode])
+    layer = KTMoE(H, I, E, K, dtype=torch.float32, expert_shards=shards, **MODES[mode], **placement)
     if layer.is_owner and layer.lora_rank:
         gen = torch.Generator().manual_seed(seed + 1)
         with torch.no_grad():
@@ -53,21 +54,17 @@ def make_layer(mode: str, E: int, seed: int, shards: int = 1):
     return layer
 
 
-def make_batch(step: int, rank: int, seq_len: int):
-    gen = torch.Generator().manual_seed(10_000 + 100 * step + rank)
-    return torch.randn(2, seq_len, H, generator=gen), torch.randn(2, seq_len, H, generator=gen)
 
 
 def _expert_names(layer):
     return sorted(n for n, p in layer.named_parameters() if n not in ("gate.weight", "grad_anchor", "expert_grad_norm"))
 
 
-def _worker(rank, world_size, mode, E, shards, seq_lens, seed):
+def train(layer, rank, world_size, seq_lens):
+    """Each step: this rank's batch forward and backward, the router gradient averaged over the
+    ranks (as DDP would), an SGD step on every parameter. Returns what the tests compare."""
     import torch.distributed as dist
 
-    import kt_ops  # noqa: F401
-
-    layer = make_layer(mode, E, seed, shards)
     steps = []
     for step, lens in enumerate(seq_lens):
         x, c = make_batch(step, rank, lens[rank])
@@ -88,6 +85,12 @@ def _worker(rank, world_size, mode, E, shards, seq_lens, seed):
         steps.append(dict(y=y.detach(), x_grad=x.grad, grads=grads, seen_norm=seen_norm_sq ** 0.5))
     return dict(expert_range=(layer.expert_range.start, layer.expert_range.stop), names=_expert_names(layer),
                 params={n: p.detach().clone() for n, p in layer.named_parameters()}, steps=steps)
+
+
+def _worker(rank, world_size, mode, E, shards, seq_lens, seed):
+    import kt_ops  # noqa: F401
+
+    return train(make_layer(mode, E, seed, shards), rank, world_size, seq_lens)
 
 
 def rel_err(a, b):
@@ -120,12 +123,8 @@ def test_sharded_layer_equals_one_process(case, mode, monkeypatch):
 
     for step, lens in enumerate(seq_lens):
         where = f"{case} {mode} step {step} lengths {lens}"
-        xs, cs = zip(*(make_batch(step, r, lens[r]) for r in range(world)))
-        xs = [x.requires_grad_(True) for x in xs]
         ref.zero_grad(set_to_none=True)
-        y_all = ref(torch.cat([x.reshape(-1, H) for x in xs]))
-        ys = [y.reshape(x.shape) for y, x in zip(y_all.split([x.shape[0] * x.shape[1] for x in xs]), xs)]
-        (sum((y * c).sum() for y, c in zip(ys, cs)) / world).backward()
+        xs, ys = reference_step(ref, step, lens, world)
         ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
         ref_norm = sum(ref_grads[n].double().pow(2).sum() for n in ref_names if n in ref_grads) ** 0.5
         for rank, res in enumerate(results):
@@ -204,36 +203,7 @@ def _per_node_worker(rank, world_size, mode, E, seed):
     import os
 
     os.environ.update(LOCAL_RANK=str(rank % 2), LOCAL_WORLD_SIZE="2", GROUP_RANK=str(rank // 2))
-    import torch.distributed as dist
-
-    from kt_ops.layer import KTMoE
-
-    torch.manual_seed(seed)
-    layer = KTMoE(H, I, E, K, dtype=torch.float32, owners="per-node", expert_shards=2, **MODES[mode])
-    if layer.lora_rank:
-        gen = torch.Generator().manual_seed(seed + 1)
-        with torch.no_grad():
-            for name in _B_NAMES:
-                full = 0.3 * torch.randn((E,) + getattr(layer, name).shape[1:], generator=gen)
-                getattr(layer, name).copy_(full[layer.expert_range.start:layer.expert_range.stop])
-    steps = []
-    for step, lens in enumerate(PER_NODE_LENGTHS):
-        x, c = make_batch(step, rank, lens[rank])
-        x.requires_grad_(True)
-        layer.zero_grad(set_to_none=True)
-        y = layer(x)
-        (y * c).sum().backward()
-        grads = {n: p.grad.clone() for n, p in layer.named_parameters() if p.grad is not None}
-        router = layer.gate.weight.grad
-        dist.all_reduce(router)
-        router /= world_size
-        with torch.no_grad():
-            for p in layer.parameters():
-                if p.requires_grad and p.grad is not None:
-                    p -= LR * p.grad
-        steps.append(dict(y=y.detach(), x_grad=x.grad, grads=grads))
-    return dict(expert_range=(layer.expert_range.start, layer.expert_range.stop),
-                params={n: p.detach().clone() for n, p in layer.named_parameters()}, steps=steps)
+    return train(make_layer(mode, E, seed, 2, owners="per-node"), rank, world_size, PER_NODE_LENGTHS)
 
 
 def test_two_nodes_of_two_shards_equal_one_process(monkeypatch):
@@ -249,12 +219,8 @@ def test_two_nodes_of_two_shards_equal_one_process(monkeypatch):
     ref = make_layer("lora", E, seed)
     names = _expert_names(ref)
     for step, lens in enumerate(PER_NODE_LENGTHS):
-        xs, cs = zip(*(make_batch(step, r, lens[r]) for r in range(world)))
-        xs = [x.requires_grad_(True) for x in xs]
         ref.zero_grad(set_to_none=True)
-        y_all = ref(torch.cat([x.reshape(-1, H) for x in xs]))
-        ys = [y.reshape(x.shape) for y, x in zip(y_all.split([x.shape[0] * x.shape[1] for x in xs]), xs)]
-        (sum((y * c).sum() for y, c in zip(ys, cs)) / world).backward()
+        xs, ys = reference_step(ref, step, lens, world)
         ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
         for rank, res in enumerate(results):
             got, where = res["steps"][step], f"rank {rank}, step {step}"
