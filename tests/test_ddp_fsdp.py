@@ -143,3 +143,25 @@ def test_two_ranks_equal_one_process(engine, trained, shards, monkeypatch):
             for rank, res in enumerate(results):
                 assert rel_err(res["state"][name], want) <= 1e-5, (rank, name)
     assert set(owner["state"]) == set(ref_state)
+
+
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+def test_three_ranks_with_two_shards_equal_one_process(engine, monkeypatch):
+    """3 ranks, expert_shards=2 (ranks 0 and 1 hold experts 0-3 and 4-7, rank 2 none), the
+    router and q_proj replicated: per-rank losses and trained tensors of one process."""
+    results = check_all_ok(run_ranks(_worker, 3, engine, "lora+replicated", 2, timeout_s=240, pg_timeout_s=120))
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    ref_losses, ref_state = reference("lora+replicated", world_size=3)
+    for step in range(STEPS):
+        for rank in range(3):
+            got, want = results[rank]["losses"][step], ref_losses[step][rank]
+            assert abs(got - want) <= 1e-5 * abs(want), f"{engine}, rank {rank}, step {step}: {got} vs {want}"
+    assert results[0]["expert_names"] == results[1]["expert_names"] != [] and results[2]["expert_names"] == []
+    for name, want in ref_state.items():
+        if ".experts." in name:
+            got = torch.cat([results[0]["state"][name], results[1]["state"][name]])
+            assert rel_err(got, want) <= 1e-5, name
+        else:
+            for rank, res in enumerate(results):
+                assert rel_err(res["state"][name], want) <= 1e-5, (rank, name)

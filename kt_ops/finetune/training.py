@@ -206,6 +206,8 @@ def fault_injection(spec: Optional[str], model: nn.Module, dataset: WindowDatase
             if what in ("kt", "kt-backward"):
                 from kt_ops import faults
                 faults.inject_failure("moe_forward" if what == "kt" else "moe_backward", message)
+            # when the failure was armed, for tests that time how fast the job ends after it
+            print(f"{FAULT_VARIABLE}: armed at {time.time():.3f}", file=sys.stderr, flush=True)
             armed["on"] = what == "forward"
 
         def on_save(self, args, state, control, **kwargs):
