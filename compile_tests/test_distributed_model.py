@@ -67,14 +67,15 @@ def test_two_ranks_inductor_with_kt_checkpointing_match_single_process(shards):
     assert results[1][2] == ({} if shards == 1 else ran_once)
 
 
-def plain_checkpoint_rank(rank, world_size):
-    model = build_model("plain")
+def plain_checkpoint_rank(rank, world_size, shards):
+    model = build_model("plain", shards)
     loss = model.loss(rank_tokens(rank))
     loss.backward()
 
 
-def test_plain_checkpointing_of_distributed_layer_raises_on_every_rank():
-    results = run_ranks(plain_checkpoint_rank, 2, timeout_s=120)
+@pytest.mark.parametrize("shards", [1, 2], ids=["one-owner", "two-shards"])
+def test_plain_checkpointing_of_distributed_layer_raises_on_every_rank(shards):
+    results = run_ranks(plain_checkpoint_rank, 2, shards, timeout_s=120)
     for rank, result in enumerate(results):
         assert isinstance(result, RankError), f"rank {rank} did not raise"
         assert "kt_ops.checkpoint_context_fn" in result.message, result.message

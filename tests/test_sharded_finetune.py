@@ -1,5 +1,6 @@
 """The main job with sharded experts (kt_ops.finetune --expert-shards 2), as users launch it:
 
+* an owner computes with the CPUs its affinity mask allows (split between the node's owners);
 * 2 ranks, S = 2 (rank 0 holds experts 0-3, rank 1 experts 4-7 of each layer) logs the
   one-owner job's losses and writes the same adapter (fp32 noise); its Trainer checkpoint
   holds the gathered adapter and no expert tensor in the model file (each owner holds other
@@ -12,6 +13,7 @@
   10 s of the failing step's start (the whole job, startup included, under FAULT_LIMIT_S).
 """
 import json
+import os
 import re
 import shutil
 import time
@@ -45,6 +47,20 @@ def sharded_two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("sharded")
     ok(torchrun(TINY + STEPS + SHARDED + ["--save-steps", "2"], out, ranks=2))
     return out
+
+
+def threads_of_rank0(out) -> int:
+    return json.loads((out / "summary.json").read_text())["threads_per_process"]
+
+
+def test_owners_compute_with_the_cpus_their_affinity_allows(one_owner_two_ranks, sharded_two_ranks):
+    """torchrun starts the ranks with OMP_NUM_THREADS=1 (the tests set it too); the main job gives
+    an owner the CPUs of its affinity mask, split between the node's owners when nothing bound
+    them apart: rank 0 alone owns with one owner, it shares the machine with rank 1 with 2 shards."""
+    cpus = len(os.sched_getaffinity(0))  # the ranks inherit this process's mask
+    whole = cpus >= (os.cpu_count() or cpus)
+    assert threads_of_rank0(one_owner_two_ranks) == cpus
+    assert threads_of_rank0(sharded_two_ranks) == (max(1, cpus // 2) if whole else cpus)
 
 
 def test_two_shards_log_the_one_owner_losses_and_adapter(one_owner_two_ranks, sharded_two_ranks):
