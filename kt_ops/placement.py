@@ -175,15 +175,16 @@ def owner_thread_count(placement: "Placement") -> int:
     return allowed
 
 
-def check_shards(shards, num_experts: Optional[int], ranks: int, where: str, ranks_name: str = "ranks") -> int:
-    """``expert_shards`` checked against the experts and the ranks that can own a shard."""
+def check_shards(shards, num_experts: Optional[int], ranks: int, where: str, ranks_of: str = "the job") -> int:
+    """``expert_shards`` checked against the experts and the ranks that can own a shard
+    (``ranks`` of ``ranks_of``: "the job", "the group", "a node (LOCAL_WORLD_SIZE)")."""
     if not isinstance(shards, int) or isinstance(shards, bool) or shards < 1:
         raise ValueError(f"{where}: expert_shards must be an int >= 1, got {shards!r}")
     if num_experts is not None and shards > num_experts:
         raise ValueError(f"{where}: expert_shards={shards} is more than the {num_experts} experts (num_experts)")
     if shards > ranks:
-        raise ValueError(f"{where}: expert_shards={shards} needs {shards} ranks to own the shards, but there "
-                         f"{'is' if ranks == 1 else 'are'} {ranks} {ranks_name}")
+        raise ValueError(f"{where}: expert_shards={shards} needs {shards} ranks to own the shards, but {ranks_of} has "
+                         f"{ranks} rank{'' if ranks == 1 else 's'}")
     return shards
 
 
@@ -199,7 +200,7 @@ def resolve(owners: Optional[str], owner_rank: int, process_group: Optional[dist
         if not 0 <= owner_rank < world_size:
             raise ValueError(f"{where}: owner_rank must be in [0, {world_size}), got {owner_rank}")
         shards = check_shards(expert_shards, num_experts, world_size, where,
-                              "ranks in the group" if process_group is not None else "ranks")
+                              "the group" if process_group is not None else "the job")
         if shards > 1 and owner_rank != 0:
             raise ValueError(f"{where}: with expert_shards={shards} the shards are held by the group's ranks "
                              f"0..{shards - 1}: leave owner_rank at 0 (got {owner_rank})")
@@ -215,5 +216,5 @@ def resolve(owners: Optional[str], owner_rank: int, process_group: Optional[dist
         return Placement(rank, world_size, 0, shards=shards)
     layout = node_layout(where)
     shards = check_shards(expert_shards, num_experts, layout.ranks_per_node, where,
-                          f"ranks per node (LOCAL_WORLD_SIZE={layout.ranks_per_node})")
+                          f"a node (LOCAL_WORLD_SIZE={layout.ranks_per_node})")
     return Placement(layout.local_rank, layout.ranks_per_node, 0, layout, shards=shards)

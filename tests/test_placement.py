@@ -140,3 +140,10 @@ def test_set_owner_threads_sets_torch_threads_on_owners_only(monkeypatch):
         assert kt_ops.distributed.set_owner_threads(not_owner) is None and torch.get_num_threads() == before
     finally:
         torch.set_num_threads(before)
+
+
+def test_per_node_shards_must_fit_a_node(monkeypatch):
+    set_env(monkeypatch, RANK=0, WORLD_SIZE=4, LOCAL_RANK=0, LOCAL_WORLD_SIZE=2, GROUP_RANK=0)
+    with pytest.raises(ValueError, match=r"expert_shards=3 needs 3 ranks to own the shards, but a node "
+                                         r"\(LOCAL_WORLD_SIZE=2\) has 2 ranks"):
+        placement.resolve("per-node", 0, None, None, "KTMoE", 3, 8)

@@ -162,8 +162,8 @@ def _bad_worker(rank, world_size, kwargs):
 
 @pytest.mark.parametrize("kwargs,world,match", [
     (dict(expert_shards=5), 2, r"expert_shards=5 is more than the 4 experts"),
-    (dict(expert_shards=3), 2, r"expert_shards=3 needs 3 ranks to own the shards, but there are 2 ranks"),
-    (dict(expert_shards=2), 1, r"expert_shards=2 needs 2 ranks .* there is 1 ranks?"),
+    (dict(expert_shards=3), 2, r"expert_shards=3 needs 3 ranks to own the shards, but the job has 2 ranks"),
+    (dict(expert_shards=2), 1, r"expert_shards=2 needs 2 ranks to own the shards, but the job has 1 rank$"),
     (dict(expert_shards=2, owner_rank=1), 2, r"leave owner_rank at 0"),
     (dict(expert_shards=0), 2, r"expert_shards must be an int >= 1"),
 ], ids=["S>E", "S>ranks", "S2-one-rank", "owner_rank", "S0"])
