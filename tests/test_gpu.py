@@ -57,3 +57,30 @@ def nccl_collectives(rank, world_size):
 
 def test_collectives_on_nccl_group():
     assert check_all_ok(run_ranks(nccl_collectives, 1, timeout_s=120)) == [True]
+
+
+def nccl_shard_collectives(rank, world_size):
+    """The sharded layer's all-to-all on CUDA tensors in an NCCL group (one rank, one shard):
+    dispatch sends the tokens with an expert (an all -1 token stays home), combine brings them
+    back, and the gradients are each other's."""
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=list(range(world_size)), backend="nccl")
+    name = group.group_name
+    x = torch.randn(4, 3, device="cuda", requires_grad=True)
+    w = torch.rand(4, 2, device="cuda", requires_grad=True)
+    ids = torch.tensor([[0, 5], [-1, -1], [2, -1], [7, 1]], device="cuda")
+    (xr,), (wr,), local, counts = torch.ops.kt.dispatch_to_shards([x], [w], ids, [0, 8], 0, 1, 7, name)
+    kept = torch.tensor([0, 2, 3], device="cuda")
+    assert counts.tolist() == [3] and torch.equal(xr, x[kept]) and torch.equal(local, ids[kept])
+    (y,), (wc,) = torch.ops.kt.combine_from_shards([xr * 2], [wr], ids, counts, [0, 8], 0, 1, 7, name)
+    assert torch.equal(y[kept], 2 * x[kept]) and (y[1] == 0).all()
+    assert torch.equal(wc, w.masked_fill(ids < 0, 0))
+    (y.sum() + wc.sum()).backward()
+    assert torch.equal(x.grad[kept], torch.full_like(x[kept], 2.0)) and (x.grad[1] == 0).all()
+    assert torch.equal(w.grad, (ids >= 0).float())
+    return True
+
+
+def test_shard_collectives_on_nccl_group():
+    assert check_all_ok(run_ranks(nccl_shard_collectives, 1, timeout_s=120)) == [True]
