@@ -79,6 +79,23 @@ def test_predicted_bytes_equal_the_patched_models(family, fmt, group):
     assert expert_memory.expert_bytes(config, fmt, group) == held > 0
 
 
+@pytest.mark.parametrize("fmt,group", [(None, None), ("int4", 32)], ids=["bf16", "int4-g32"])
+def test_predicted_shard_bytes_equal_the_largest_shard_owners(fmt, group, monkeypatch):
+    """With expert_shards=4 of the 6 DeepSeek experts (shards of 2, 2, 1, 1), the table's number per
+    owner is what rank 0 (the largest shard) holds once patched; rank 3 holds less."""
+    config = tiny_config("deepseek_v3")
+    held = {}
+    for rank in (0, 3):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "4")
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=bf16)
+        kt_ops.patch_model(model, expert_format=fmt, group_size=group, expert_shards=4)
+        held[rank] = sum(kt.expert_nbytes() for _, kt in patched_experts(model))
+    assert expert_memory.expert_bytes(config, fmt, group, shards=4) == held[0] == 2 * held[3] > 0
+    assert expert_memory.expert_bytes(config, fmt, group) == 3 * held[0]
+
+
 def test_reference_models_have_their_released_shapes():
     """Shapes as the released config.json files give them (the README's memory table)."""
     want = {"Qwen3-30B-A3B": (48, 128, 2048, 768), "Qwen3-235B-A22B": (94, 128, 4096, 1536),

@@ -10,6 +10,7 @@ and every other module stay where the model keeps them and are not counted.
 
     .venv/bin/python -m kt_ops.hf.expert_memory                    # the README's table
     .venv/bin/python -m kt_ops.hf.expert_memory path/to/checkpoint   # any local config
+    .venv/bin/python -m kt_ops.hf.expert_memory --expert-shards 2    # per owner of 2 shards
 """
 from __future__ import annotations
 
@@ -37,8 +38,11 @@ class ExpertLayer:
     hidden_size: int
     intermediate_size: int
 
-    def nbytes(self, expert_format: Optional[str] = None, group_size: Optional[int] = None) -> int:
-        return quantization.expert_set_nbytes(self.num_experts, self.hidden_size, self.intermediate_size,
+    def nbytes(self, expert_format: Optional[str] = None, group_size: Optional[int] = None, shards: int = 1) -> int:
+        """The bytes of the layer's experts; with ``shards`` > 1, of the largest shard (shard 0,
+        ``ceil(E / shards)`` experts): what its owner holds."""
+        experts = -(-self.num_experts // shards)
+        return quantization.expert_set_nbytes(experts, self.hidden_size, self.intermediate_size,
                                               expert_format, group_size)
 
 
@@ -74,9 +78,11 @@ def _without_quantization(config):
     return config
 
 
-def expert_bytes(config, expert_format: Optional[str] = None, group_size: Optional[int] = None) -> int:
-    """Bytes of all routed experts of the model ``config`` describes, in one format (None: bf16)."""
-    return sum(layer.nbytes(expert_format, group_size) for layer in expert_layers(config))
+def expert_bytes(config, expert_format: Optional[str] = None, group_size: Optional[int] = None,
+                 shards: int = 1) -> int:
+    """Bytes of all routed experts of the model ``config`` describes, in one format (None: bf16);
+    with ``shards`` > 1 (``expert_shards``), what the owner of the largest shard holds."""
+    return sum(layer.nbytes(expert_format, group_size, shards) for layer in expert_layers(config))
 
 
 def reference_configs() -> dict:
@@ -115,11 +121,13 @@ def _size(nbytes: int) -> str:
     return f"{nbytes / 1e9:,.1f} GB" if nbytes >= 1e9 else f"{nbytes / 1e6:,.2f} MB"
 
 
-def memory_table(configs: dict) -> str:
+def memory_table(configs: dict, shards: int = 1) -> str:
     """A markdown table: per model, its routed experts in bf16 and in each format (GB = 1e9 bytes,
     MB = 1e6; with the ratio to bf16), and one layer's bf16 experts (what patch_model holds at most on top
-    while it quantizes, one experts module at a time)."""
-    head = ["model", "MoE layers x experts (H x I)", "routed params", "bf16"] + [c[0] for c in FORMAT_COLUMNS]
+    while it quantizes, one experts module at a time). With ``shards`` > 1, per owner of the largest
+    of ``shards`` expert shards."""
+    bf16_label = "bf16" if shards == 1 else f"bf16 per owner of {shards} shards"
+    head = ["model", "MoE layers x experts (H x I)", "routed params", bf16_label] + [c[0] for c in FORMAT_COLUMNS]
     head.append("one layer bf16")
     rows = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
     for label, config in configs.items():
@@ -127,16 +135,16 @@ def memory_table(configs: dict) -> str:
         shapes = sorted({(l.num_experts, l.hidden_size, l.intermediate_size) for l in layers})
         shape = "; ".join(f"{sum((l.num_experts, l.hidden_size, l.intermediate_size) == s for l in layers)} x {s[0]} "
                           f"({s[1]} x {s[2]})" for s in shapes)
-        bf16 = sum(l.nbytes() for l in layers)
-        params = bf16 // 2
+        params = sum(l.nbytes() for l in layers) // 2  # all experts
+        bf16 = sum(l.nbytes(shards=shards) for l in layers)
         cells = [label, shape, f"{params / 1e9:,.1f} B" if params >= 1e8 else f"{params / 1e6:,.2f} M", _size(bf16)]
         for _, fmt, group in FORMAT_COLUMNS:
             if fmt == "int4" and any(l.hidden_size % group or l.intermediate_size % group for l in layers):
                 cells.append(f"n/a (groups of {group} do not divide H, I)")  # patch_model refuses it too
                 continue
-            nbytes = sum(l.nbytes(fmt, group) for l in layers)
+            nbytes = sum(l.nbytes(fmt, group, shards) for l in layers)
             cells.append(f"{_size(nbytes)} ({nbytes / bf16:.3f}x)")
-        cells.append(_size(max(l.nbytes() for l in layers)))
+        cells.append(_size(max(l.nbytes(shards=shards) for l in layers)))
         rows.append("| " + " | ".join(cells) + " |")
     return "\n".join(rows)
 
@@ -145,9 +153,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kt_ops.hf.expert_memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="*", metavar="CONFIG",
                         help="checkpoint directories or config.json files (default: the README's models)")
+    parser.add_argument("--expert-shards", type=int, default=1, metavar="S",
+                        help="per owner of the largest of S expert shards (default: one owner, all experts)")
     args = parser.parse_args(argv)
+    if args.expert_shards < 1:
+        parser.error(f"--expert-shards must be >= 1, got {args.expert_shards}")
     configs = {path: load_config(path) for path in args.configs} if args.configs else reference_configs()
-    print(memory_table(configs))
+    print(memory_table(configs, args.expert_shards))
 
 
 if __name__ == "__main__":
