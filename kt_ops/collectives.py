@@ -194,12 +194,17 @@ def _scatter_impl(tensors, lengths, local_rows, rank, world_size, owner_rank, ta
         return [_scatter_rows(t, counts, rank, owner_rank, group) for t in tensors]
 
 
-for _name, _impl in (("gather_to_owner", _gather_impl), ("gather_to_owner_sized", _gather_sized_impl),
-                     ("scatter_from_owner", _scatter_impl)):
-    for _key in ("CPU", "CUDA"):
-        torch.library.impl(f"kt::{_name}", _key)(
-            lambda *args, _impl=_impl: _run_reporting_failures(_impl, *args))
-    has_side_effect(getattr(torch.ops.kt, _name).default)
+def register_collectives(impls: dict) -> None:
+    """``{op name: kernel}`` as the CPU and CUDA kernels of ``kt::<name>``, each reporting its
+    failures to the other ranks, and marked side-effectful (see the module doc)."""
+    for name, impl in impls.items():
+        for key in ("CPU", "CUDA"):
+            torch.library.impl(f"kt::{name}", key)(lambda *args, impl=impl: _run_reporting_failures(impl, *args))
+        has_side_effect(getattr(torch.ops.kt, name).default)
+
+
+register_collectives({"gather_to_owner": _gather_impl, "gather_to_owner_sized": _gather_sized_impl,
+                      "scatter_from_owner": _scatter_impl})
 
 
 # ---- autograd: each op's backward is its adjoint ------------------------------------------

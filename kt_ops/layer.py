@@ -24,6 +24,12 @@ _BIAS_NAMES = ("gate_bias", "up_bias", "down_bias")  # with expert_bias=True (gp
 _REPLICATED_NAMES = ("grad_anchor", "expert_grad_norm")  # on every rank, owner or not (see __init__)
 
 
+def lora_shapes(E: int, I: int, H: int, r: int) -> dict:
+    """``{name: shape}`` of the six PEFT-layout expert LoRA tensors of ``E`` experts."""
+    return {"gate_lora_a": (E, r, H), "gate_lora_b": (E, I, r), "up_lora_a": (E, r, H), "up_lora_b": (E, I, r),
+            "down_lora_a": (E, r, I), "down_lora_b": (E, H, r)}
+
+
 @torch.compiler.assume_constant_result
 def _default_group_name() -> str:
     if not (dist.is_available() and dist.is_initialized()):
@@ -179,10 +185,7 @@ class KTMoE(nn.Module):
                 for name, shape in zip(_BIAS_NAMES, ((E, I), (E, I), (E, H))):
                     setattr(self, name, nn.Parameter(torch.empty(shape, **cpu), requires_grad=train_base))
             if lora_rank:
-                r = lora_rank
-                for name, shape in (("gate_lora_a", (E, r, H)), ("gate_lora_b", (E, I, r)),
-                                    ("up_lora_a", (E, r, H)), ("up_lora_b", (E, I, r)),
-                                    ("down_lora_a", (E, r, I)), ("down_lora_b", (E, H, r))):
+                for name, shape in lora_shapes(E, I, H, lora_rank).items():
                     setattr(self, name, nn.Parameter(torch.empty(shape, **cpu)))
         self.reset_parameters()
         self.register_gradient_hooks()

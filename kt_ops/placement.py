@@ -22,6 +22,7 @@ Models that compile their first step should call :func:`create_groups` once afte
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch.distributed as dist
@@ -167,8 +168,6 @@ def owner_thread_count(placement: "Placement") -> int:
     """The intra-op threads an expert owner should compute with: the CPUs its affinity mask
     allows (what ``numactl --cpunodebind`` or ``taskset`` gave it), split evenly between the
     node's owners when the mask is the whole machine (nothing bound them apart)."""
-    import os
-
     allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if allowed >= (os.cpu_count() or allowed):
         return max(1, allowed // max(1, owners_on_this_node(placement)))

@@ -32,10 +32,9 @@ from typing import Optional, Sequence
 
 import torch
 from torch import Tensor
-from torch.fx.node import has_side_effect
 
 from kt_ops.collectives import (_HEADER_FIELDS, _all_to_all, _exchange_headers, _grads_or_zeros,
-                                _refuse_recompute, _run_reporting_failures, _start)
+                                _refuse_recompute, _start, register_collectives)
 from kt_ops.profiler_ranges import profiler_range
 
 
@@ -68,6 +67,12 @@ class _Routes:
     tokens: list[Tensor]       # per shard s: int64 token indices
     send_counts: list[int]     # [world_size]: rows sent to each rank (0 past the S owners)
 
+    def slots_of(self, s: int, dims: int) -> Tensor:
+        """Which slots of shard ``s``'s tokens are its own, shaped to broadcast over a
+        ``dims``-dimensional ``[n, K, ...]`` tensor."""
+        mine = self.shard.index_select(0, self.tokens[s]) == s
+        return mine.reshape(mine.shape + (1,) * (dims - 2))
+
 
 def _routes(op: str, topk_ids: Tensor, expert_starts: Sequence[int], world_size: int) -> _Routes:
     if topk_ids.dim() != 2 or topk_ids.dtype not in (torch.int32, torch.int64):
@@ -88,13 +93,9 @@ def _routes(op: str, topk_ids: Tensor, expert_starts: Sequence[int], world_size:
 
 def _send_slots(slots: Tensor, routes: _Routes, fill) -> Tensor:
     """The slot values each shard receives, in send order: other shards' slots set to ``fill``."""
-    parts = []
-    for s, tokens in enumerate(routes.tokens):
-        mine = routes.shard.index_select(0, tokens) == s
-        vals = slots.index_select(0, tokens)
-        mask = mine.reshape(mine.shape + (1,) * (vals.dim() - 2))
-        parts.append(torch.where(mask, vals, torch.full((), fill, dtype=vals.dtype, device=vals.device)))
-    return torch.cat(parts) if parts else slots[:0]
+    other = torch.full((), fill, dtype=slots.dtype, device=slots.device)
+    return torch.cat([torch.where(routes.slots_of(s, slots.dim()), slots.index_select(0, tokens), other)
+                      for s, tokens in enumerate(routes.tokens)])
 
 
 def _exchange(t: Tensor, recv_total: int, out_splits: list[int], in_splits: list[int], group) -> Tensor:
@@ -117,7 +118,7 @@ def _dispatch(op, rows, slots, topk_ids, expert_starts, rank, world_size, tag, g
             raise RuntimeError(f"kt.{op}: rank {rank} receives {received.tolist()} rows but the forward "
                                f"received {recv_counts.tolist()}")
         out_splits, total = received.tolist(), int(received.sum())
-        order = torch.cat(routes.tokens) if routes.tokens else topk_ids.new_empty(0, dtype=torch.int64)
+        order = torch.cat(routes.tokens)
         rows_out = [_exchange(t.index_select(0, order), total, out_splits, routes.send_counts, group)
                     for t in rows]
         slots_out = [_exchange(_send_slots(t, routes, 0), total, out_splits, routes.send_counts, group)
@@ -126,9 +127,8 @@ def _dispatch(op, rows, slots, topk_ids, expert_starts, rank, world_size, tag, g
             return rows_out, slots_out
         # The expert within the receiving shard (-1: another shard's), computed by the sender.
         starts = torch.tensor(list(expert_starts[:-1]), dtype=torch.int64, device=topk_ids.device)
-        local = topk_ids.long() - starts[routes.shard.clamp(min=0)]
-        local_ids = _exchange(_send_slots(local.masked_fill(routes.shard < 0, -1), routes, -1), total,
-                              out_splits, routes.send_counts, group)
+        local = topk_ids.long() - starts[routes.shard.clamp(min=0)]  # the other shards' slots: -1 below
+        local_ids = _exchange(_send_slots(local, routes, -1), total, out_splits, routes.send_counts, group)
         return rows_out, slots_out, local_ids, received
 
 
@@ -164,9 +164,7 @@ def _combine(rows, slots, topk_ids, recv_counts, expert_starts, rank, world_size
         for t in back[len(rows):]:
             out = t.new_zeros((T,) + tuple(t.shape[1:]))
             for s, (tokens, part) in enumerate(zip(routes.tokens, t.split(routes.send_counts[:len(routes.tokens)]))):
-                mine = routes.shard.index_select(0, tokens) == s
-                mask = mine.reshape(mine.shape + (1,) * (part.dim() - 2))
-                out[tokens] = torch.where(mask, part, out.index_select(0, tokens))
+                out[tokens] = torch.where(routes.slots_of(s, part.dim()), part, out.index_select(0, tokens))
             slots_out.append(out)
         return rows_out, slots_out
 
@@ -187,17 +185,14 @@ def _dispatch_sized_impl(rows, slots, topk_ids, recv_counts, total_rows, expert_
                      recv_counts=recv_counts)
 
 
-for _name, _impl in (("dispatch_to_shards", _dispatch_impl), ("dispatch_to_shards_sized", _dispatch_sized_impl),
-                     ("combine_from_shards", _combine)):
-    for _key in ("CPU", "CUDA"):
-        torch.library.impl(f"kt::{_name}", _key)(
-            lambda *args, _impl=_impl: _run_reporting_failures(_impl, *args))
-    has_side_effect(getattr(torch.ops.kt, _name).default)
+register_collectives({"dispatch_to_shards": _dispatch_impl, "dispatch_to_shards_sized": _dispatch_sized_impl,
+                      "combine_from_shards": _combine})
 
 
 # ---- autograd: dispatch and combine are each other's adjoint ------------------------------
 
 def _setup(ctx, rows, slots, topk_ids, recv_counts, outputs, comm_args):
+    ctx.wanted = [t.requires_grad and t.dtype.is_floating_point for t in list(rows) + list(slots)]
     ctx.num_rows = len(rows)
     ctx.comm_args = comm_args
     ctx.input_rows = rows[0].shape[0] if rows else (slots[0].shape[0] if slots else 0)
@@ -208,27 +203,21 @@ def _dispatch_setup(ctx, inputs, output):
     rows, slots, topk_ids, *comm_args = inputs
     rows_out, slots_out, _local_ids, recv_counts = output
     _setup(ctx, rows, slots, topk_ids, recv_counts, list(rows_out) + list(slots_out), comm_args)
-    ctx.wanted = _wanted(rows, slots)
 
 
 def _dispatch_sized_setup(ctx, inputs, output):
     rows, slots, topk_ids, recv_counts, _total, *comm_args = inputs
     _setup(ctx, rows, slots, topk_ids, recv_counts, list(output[0]) + list(output[1]), comm_args)
-    ctx.wanted = _wanted(rows, slots)
 
 
 def _combine_setup(ctx, inputs, output):
     rows, slots, topk_ids, recv_counts, *comm_args = inputs
     _setup(ctx, rows, slots, topk_ids, recv_counts, list(output[0]) + list(output[1]), comm_args)
-    ctx.wanted = _wanted(rows, slots)
-
-
-def _wanted(rows, slots):
-    return [t.requires_grad and t.dtype.is_floating_point for t in list(rows) + list(slots)]
 
 
 def _split_grads(ctx, grad_rows, grad_slots):
-    """(row grads, slot grads) of the wanted outputs, zeros where missing, and the wanted mask."""
+    """(topk_ids, recv_counts, row grads, slot grads): the grads of the wanted outputs, zeros
+    where one is missing."""
     topk_ids, recv_counts, *outputs = ctx.saved_tensors
     grads = _grads_or_zeros(list(grad_rows) + list(grad_slots), outputs, ctx.wanted)
     n = sum(ctx.wanted[:ctx.num_rows])
@@ -248,29 +237,28 @@ def _adjoint(ctx, grad_rows, grad_slots, adjoint_op, num_args: int) -> tuple:
     if not any(ctx.wanted):
         return (None,) * num_args
     topk_ids, recv_counts, g_rows, g_slots = _split_grads(ctx, grad_rows, grad_slots)
-    rows, slots = adjoint_op(g_rows, g_slots, topk_ids, recv_counts, ctx.comm_args)
+    rows, slots = adjoint_op(g_rows, g_slots, topk_ids, recv_counts, ctx)
     return _spread_lists(rows, slots, ctx.wanted, ctx.num_rows) + (None,) * (num_args - 2)
 
 
-def _combine_op(ctx):
-    return lambda rows, slots, ids, counts, comm: torch.ops.kt.combine_from_shards(rows, slots, ids, counts, *comm)
+def _combine_back(rows, slots, topk_ids, recv_counts, ctx):
+    return torch.ops.kt.combine_from_shards(rows, slots, topk_ids, recv_counts, *ctx.comm_args)
 
 
-def _dispatch_sized_op(ctx):
-    return lambda rows, slots, ids, counts, comm: torch.ops.kt.dispatch_to_shards_sized(
-        rows, slots, ids, counts, ctx.input_rows, *comm)
+def _dispatch_back(rows, slots, topk_ids, recv_counts, ctx):
+    return torch.ops.kt.dispatch_to_shards_sized(rows, slots, topk_ids, recv_counts, ctx.input_rows, *ctx.comm_args)
 
 
 def _dispatch_backward(ctx, grad_rows, grad_slots, _grad_ids, _grad_counts):
-    return _adjoint(ctx, grad_rows, grad_slots, _combine_op(ctx), 8)
+    return _adjoint(ctx, grad_rows, grad_slots, _combine_back, 8)
 
 
 def _dispatch_sized_backward(ctx, grad_rows, grad_slots):
-    return _adjoint(ctx, grad_rows, grad_slots, _combine_op(ctx), 10)
+    return _adjoint(ctx, grad_rows, grad_slots, _combine_back, 10)
 
 
 def _combine_backward(ctx, grad_rows, grad_slots):
-    return _adjoint(ctx, grad_rows, grad_slots, _dispatch_sized_op(ctx), 9)
+    return _adjoint(ctx, grad_rows, grad_slots, _dispatch_back, 9)
 
 
 torch.library.register_autograd("kt::dispatch_to_shards", _dispatch_backward, setup_context=_dispatch_setup)

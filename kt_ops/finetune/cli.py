@@ -503,13 +503,10 @@ def _run(args, rank: int, world_size: int) -> FinetuneResult:
         "comparison": comparison,
         "versions": {"torch": torch.__version__, **_versions()},
     }
-    if args.expert_shards > 1:  # the shards gathered to rank 0: every rank takes part
-        kt_ops.save_adapter(model, args.output_dir, write=rank == 0)
+    kt_ops.save_adapter(model, args.output_dir, write=rank == 0)  # every rank: sharded experts are gathered
     if rank == 0:
         out = args.output_dir
         os.makedirs(out, exist_ok=True)
-        if args.expert_shards == 1:
-            kt_ops.save_adapter(model, out)
         if summary["also_trained"]:  # not part of the expert-LoRA adapter
             from safetensors.torch import save_file
             params = dict(model.named_parameters())

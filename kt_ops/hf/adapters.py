@@ -90,13 +90,13 @@ def _all_experts_lora(kt) -> Optional[dict[str, Tensor]]:
     if kt.expert_shards == 1:
         return {n: getattr(kt, n) for n in _LORA_PARTS}
     from kt_ops.collectives import gather_to_owner
+    from kt_ops.layer import lora_shapes
 
-    E, I, H, r = kt.num_experts, kt.intermediate_size, kt.hidden_size, kt.lora_rank
-    shapes = {"gate_lora_a": (r, H), "gate_lora_b": (I, r), "up_lora_b": (I, r), "down_lora_a": (r, I),
-              "down_lora_b": (H, r)}
+    E = kt.num_experts
+    none = lora_shapes(0, kt.intermediate_size, kt.hidden_size, kt.lora_rank)  # what a rank without experts sends
     group = kt.process_group
     device = kt.grad_anchor.device  # where the job's collectives run (the GPU under NCCL)
-    rows = [getattr(kt, n).detach() if kt.is_owner else torch.empty((0,) + shapes[n], dtype=kt.expert_dtype)
+    rows = [getattr(kt, n).detach() if kt.is_owner else torch.empty(none[n], dtype=kt.expert_dtype)
             for n in _LORA_PARTS]
     gathered, _ = gather_to_owner([t.to(device) for t in rows], 0, group=group, tag=kt.layer_id)
     if kt.rank != 0:
@@ -245,7 +245,9 @@ def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> No
     Only the owner rank holds the expert LoRA: call this on the owner rank. With sharded
     experts (``expert_shards > 1``) call it on every rank of the layers' group: the shards are
     gathered to the group's rank 0, which writes one adapter equal to what one process holding
-    all the experts writes (``write=False``: gather only, e.g. on other nodes' groups).
+    all the experts writes. ``write=False``: take part without writing (the gather only with
+    sharded experts, nothing with one owner), so that every rank of a job can make the same
+    call with ``write`` true on one of them.
     Trainable expert base weights (``train_base=True``) are not part of an adapter and are not
     saved (a warning says so).
 
@@ -261,6 +263,8 @@ def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> No
     kt0 = blocks[0][1].experts
     if not kt0.lora_rank:
         raise ValueError("save_adapter: the model was patched with lora_rank=0: there is no adapter to save")
+    if kt0.expert_shards == 1 and not write:
+        return  # one owner: no gather to take part in, nothing to write here
     if not kt0.is_owner and kt0.expert_shards == 1:
         raise ValueError(f"save_adapter: only the owner rank (owner_rank={kt0.owner_rank}) holds the expert "
                          f"LoRA; this is rank {kt0.rank}: call save_adapter on the owner rank")

@@ -98,11 +98,8 @@ class KTAdapterCallback(TrainerCallback):
         experts = patched_experts(model) if model is not None else []
         has_lora = bool(experts) and bool(experts[0][1].lora_rank)
         owners = self.layout.expert_owners if self.layout is not None else ()
-        writer = rank == (owners[0] if owners else 0)
-        if has_lora and _sharded(model):  # the shards gathered: every rank takes part, one writes
-            save_adapter(model, folder, write=writer)
-        elif has_lora and experts[0][1].is_owner and writer:  # one writer
-            save_adapter(model, folder)
+        if has_lora:  # every rank takes part (sharded experts are gathered), the first owner writes
+            save_adapter(model, folder, write=rank == (owners[0] if owners else 0))
         if rank == 0 and self.layout is not None:
             per_rank = [checkpoints.rng_file(r, world) for r in range(world)]
             if own_optimizers:
