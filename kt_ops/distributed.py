@@ -24,23 +24,32 @@ from typing import Optional
 
 from torch import nn
 
-from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _LORA_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
 
-_OWNER_ONLY = _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES + _LORA_NAMES  # the tensors only the owner rank holds
 
 
 def _kt_layers(model: nn.Module):
     return [(name, m) for name, m in model.named_modules() if isinstance(m, KTMoE)]
 
 
+def _owner_only(layer: KTMoE) -> list[nn.Parameter]:
+    """A KT layer's owner-only tensors on this rank: base weights, scales, biases and every
+    LoRA adapter's tensors (none off the owner)."""
+    named = [getattr(layer, leaf, None) for leaf in _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES]
+    tensors = named + (list(layer._all_lora_tensors()) if layer.is_owner else [])
+    return list({id(p): p for p in tensors if isinstance(p, nn.Parameter)}.values())
+
+
 def expert_parameter_names(model: nn.Module) -> list[str]:
     """Fully qualified names of this rank's owner-only expert tensors in ``model`` (none off
-    the owner rank), as ``model.named_parameters()`` spells them."""
+    the owner rank), as ``model.named_parameters(remove_duplicate=False)`` spells them (a tied
+    tensor under each of its names)."""
     names = []
     for prefix, layer in _kt_layers(model):
-        for leaf in _OWNER_ONLY:
-            if isinstance(getattr(layer, leaf, None), nn.Parameter):
-                names.append(f"{prefix}.{leaf}" if prefix else leaf)
+        mine = {id(p) for p in _owner_only(layer)}
+        for name, p in layer.named_parameters(remove_duplicate=False):
+            if id(p) in mine:
+                names.append(f"{prefix}.{name}" if prefix else name)
     return names
 
 
@@ -48,9 +57,12 @@ def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
     """The parameters of the KT layers inside ``module`` that FSDP2 must not shard (its
     ``ignored_params``): this rank's owner-only expert tensors, every layer's grad anchor and
     its expert-gradient norm (a plain tensor whose .grad kt_ops sets)."""
-    return {getattr(layer, leaf) for _, layer in _kt_layers(module)
-            for leaf in _OWNER_ONLY + _REPLICATED_NAMES
-            if isinstance(getattr(layer, leaf, None), nn.Parameter)}
+    params = set()
+    for _, layer in _kt_layers(module):
+        params.update(_owner_only(layer))
+        params.update(p for p in (getattr(layer, leaf, None) for leaf in _REPLICATED_NAMES)
+                      if isinstance(p, nn.Parameter))
+    return params
 
 
 def prepare_ddp(model: nn.Module) -> nn.Module:

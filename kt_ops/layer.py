@@ -113,7 +113,7 @@ class KTMoE(nn.Module):
                  swiglu_limit: Optional[float] = None, activation: str = "silu",
                  swiglu_alpha: Optional[float] = None, expert_bias: bool = False, owners: Optional[str] = None,
                  expert_shards: int = 1):
-        super().__init__()
+        nn.Module.__init__(self)  # not super(): a KTExperts may derive from a PEFT class too (hf.peft_experts)
         for name, value in (("hidden_size", hidden_size), ("intermediate_size", intermediate_size),
                             ("num_experts", num_experts), ("top_k", top_k)):
             if not isinstance(value, int) or value < 1:
@@ -218,8 +218,18 @@ class KTMoE(nn.Module):
         return self._placement.expert_replica_group
 
     def _unique_expert_tensors(self) -> list:
-        """The owner's expert tensors, each once (gate_lora_a and up_lora_a may be one tensor)."""
-        return list({id(p): p for p in self.expert_tensors() + self.expert_biases() if p is not None}.values())
+        """The owner's expert tensors, each once (gate_lora_a and up_lora_a may be one tensor;
+        a subclass with several LoRA adapters adds all of theirs: :meth:`_all_lora_tensors`)."""
+        tensors = self.expert_tensors()[:3] + self.expert_biases() + tuple(self._all_lora_tensors())
+        return list({id(p): p for p in tensors if p is not None}.values())
+
+    def _all_lora_tensors(self) -> list:
+        """Every LoRA tensor this rank holds (the layer's one set)."""
+        return list(self.expert_tensors()[3:]) if self.lora_rank and self.is_owner else []
+
+    def _forward_lora(self) -> tuple[tuple, float]:
+        """(the six LoRA tensors kt.moe computes with now, or six Nones; their scale)."""
+        return self.expert_tensors()[3:], self.lora_scale
 
     @property
     def is_owner(self) -> bool:
@@ -386,8 +396,9 @@ class KTMoE(nn.Module):
     def _experts(self, x: Tensor, ids: Tensor, weights: Tensor) -> Tensor:
         """kt.moe where the experts live (the owner's CPU); x, ids, weights may be anywhere."""
         device, dtype = self.gate_proj.device, self.expert_dtype
+        lora, lora_scale = self._forward_lora()
         out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
-                               *self.expert_tensors(), self.lora_scale, *self.expert_scales(), self.swiglu_limit,
+                               *self.expert_tensors()[:3], *lora, lora_scale, *self.expert_scales(), self.swiglu_limit,
                                self.activation, self.swiglu_alpha, *self.expert_biases())
         return out.to(x.device, x.dtype)
 

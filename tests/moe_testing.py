@@ -21,13 +21,24 @@ def randomize_lora(model: torch.nn.Module, picks, seed: int, scale: float = 0.2)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if picks(name):
-                layer = model.get_submodule(name.rpartition(".")[0])
+                layer = _kt_layer_of(model, name)
                 mine = getattr(layer, "expert_range", None)
                 if mine is None or getattr(layer, "expert_shards", 1) == 1:
                     p.copy_(scale * torch.randn(p.shape, generator=g))
                 else:
                     full = torch.randn((layer.num_experts,) + p.shape[1:], generator=g)
                     p.copy_(scale * full[mine.start:mine.stop])
+
+
+def _kt_layer_of(model: torch.nn.Module, name: str):
+    """The innermost module on parameter ``name``'s path that holds experts (``expert_range``:
+    a KT layer; its LoRA sits in ``adapters.lora.<adapter>``), else the parameter's own module."""
+    parts = name.split(".")[:-1]
+    for end in range(len(parts), 0, -1):
+        module = model.get_submodule(".".join(parts[:end]))
+        if hasattr(module, "expert_range"):
+            return module
+    return model.get_submodule(".".join(parts))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -34,8 +34,8 @@ def test_expert_lora_stays_trainable():
     _, pm = _kt_with_attention_lora()
     trainable = {n for n, p in pm.named_parameters() if p.requires_grad}
     assert any("q_proj.lora_A" in n for n in trainable) and any("v_proj.lora_B" in n for n in trainable)
-    assert any(n.endswith("experts.gate_lora_a") for n in trainable)
-    assert any(n.endswith("experts.down_lora_b") for n in trainable)
+    assert any(n.endswith("experts.adapters.lora.default.gate_lora_a") for n in trainable)
+    assert any(n.endswith("experts.adapters.lora.default.down_lora_b") for n in trainable)
     assert not any(n.endswith(("q_proj.base_layer.weight", "mlp.gate.weight")) for n in trainable)
     with pytest.raises(ValueError, match="target_parameters"):
         kt_ops.hf.get_peft_model(kt_ops.patch_model(samples.tiny_qwen3_moe(), lora_rank=R),

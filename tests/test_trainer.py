@@ -110,7 +110,7 @@ def test_checkpoints_resume_the_same_loss_curve_and_hold_a_peft_adapter(tmp_path
         assert rel_err(resumed["state"][name], want) <= 1e-6, name
 
     saved = safetensors.torch.load_file(ckpt / "model.safetensors")
-    a_key = "model.layers.0.mlp.experts.gate_lora_a"
+    a_key = "model.layers.0.mlp.experts.adapters.lora.default.gate_lora_a"
     assert a_key in saved and a_key.replace("gate_lora_a", "up_lora_a") not in saved
     # the frozen expert base weights are not in the checkpoints (KTAdapterCallback): resuming
     # above kept the ones in memory

@@ -26,6 +26,7 @@ shapes, so either nesting order loads.)
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -47,6 +48,8 @@ _PREFIX = "base_model.model."
 # relative to a block: PEFT's keys for the inner (gate_up_proj) and outer (down_proj) wrapper
 _GATE_UP_KEYS = ("experts.base_layer.lora_A.weight", "experts.base_layer.lora_B.weight")
 _DOWN_KEYS = ("experts.lora_A.weight", "experts.lora_B.weight")
+# the same, relative to the experts module (what PEFT's save asks a kt experts module for)
+PEFT_EXPERT_KEYS = tuple(k[len("experts."):] for k in _GATE_UP_KEYS + _DOWN_KEYS)
 _KEY_RE = re.compile(r"^experts\.((?:base_layer\.)*)lora_([AB])\.weight$")
 
 
@@ -105,6 +108,16 @@ def _all_experts_lora(kt) -> Optional[dict[str, Tensor]]:
     return {n: t.cpu() for n, t in zip(_LORA_PARTS, gathered)}
 
 
+def kt_experts_to_peft(kt, lora: dict[str, Tensor]) -> dict[str, Tensor]:
+    """The expert LoRA of one kt experts module (``lora``: its five tensors of all experts) in
+    PEFT's layout, keys relative to the experts module (``base_layer.lora_A.weight`` ...)."""
+    fused_b = ExpertsLayout(interleaved=kt.gate_up_interleaved).fuse_gate_up(lora["gate_lora_b"], lora["up_lora_b"])
+    a, b = kt_factors_to_peft(lora["gate_lora_a"], fused_b)
+    a_d, b_d = kt_factors_to_peft(lora["down_lora_a"], lora["down_lora_b"])
+    out = dict(zip(PEFT_EXPERT_KEYS, (a, b, a_d, b_d)))
+    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+
+
 def kt_block_to_peft(block: nn.Module, lora: Optional[dict[str, Tensor]] = None) -> dict[str, Tensor]:
     """The expert LoRA of one patched block in PEFT's layout, keys relative to the block
     (``experts.base_layer.lora_A.weight`` ...: see the module docstring). ``lora``: the
@@ -114,11 +127,7 @@ def kt_block_to_peft(block: nn.Module, lora: Optional[dict[str, Tensor]] = None)
         raise ValueError("save_adapter: gate_lora_a and up_lora_a differ; PEFT's LoRA on the fused "
                          "experts.gate_up_proj has one A shared by gate and up (patch_model ties them)")
     lora = lora if lora is not None else {n: getattr(kt, n) for n in _LORA_PARTS}
-    fused_b = ExpertsLayout(interleaved=kt.gate_up_interleaved).fuse_gate_up(lora["gate_lora_b"], lora["up_lora_b"])
-    a, b = kt_factors_to_peft(lora["gate_lora_a"], fused_b)
-    a_d, b_d = kt_factors_to_peft(lora["down_lora_a"], lora["down_lora_b"])
-    out = {_GATE_UP_KEYS[0]: a, _GATE_UP_KEYS[1]: b, _DOWN_KEYS[0]: a_d, _DOWN_KEYS[1]: b_d}
-    return {k: v.detach().to("cpu").contiguous() for k, v in out.items()}
+    return {f"experts.{k}": v for k, v in kt_experts_to_peft(kt, lora).items()}
 
 
 def peft_block_to_kt(tensors: dict[str, Tensor], block: nn.Module, r: int,
@@ -226,7 +235,7 @@ def load_adapter_state_dict(model: nn.Module, state_dict: dict[str, Tensor], *, 
 # Public API
 
 
-def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> None:
+def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True, adapter_name: Optional[str] = None) -> None:
     """Write the expert LoRA of a patched model in PEFT's adapter format.
 
     Writes ``output_dir/adapter_model.safetensors`` (PEFT keys
@@ -247,7 +256,8 @@ def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> No
     gathered to the group's rank 0, which writes one adapter equal to what one process holding
     all the experts writes. ``write=False``: take part without writing (the gather only with
     sharded experts, nothing with one owner), so that every rank of a job can make the same
-    call with ``write`` true on one of them.
+    call with ``write`` true on one of them. ``adapter_name``: which named adapter (PEFT's
+    ``add_adapter`` / ``load_adapter(..., name)``) to write; default the active one.
     Trainable expert base weights (``train_base=True``) are not part of an adapter and are not
     saved (a warning says so).
 
@@ -260,6 +270,31 @@ def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> No
     if peft_model is not None:
         model = peft_model.get_base_model()
     blocks = _blocks(model, "save_adapter")
+    kt0 = blocks[0][1].experts
+    if adapter_name is None:
+        adapter_name = peft_model.active_adapter if peft_model is not None else kt0.adapters.active_adapter
+    with _reading_adapter(blocks, adapter_name):
+        _save_adapter(peft_model, model, blocks, output_dir, write, adapter_name)
+
+
+@contextlib.contextmanager
+def _reading_adapter(blocks, adapter_name: str):
+    """The experts' LoRA attributes read ``adapter_name``'s tensors inside (nothing else changes)."""
+    adapters = [b.experts.adapters for _, b in blocks]
+    for a in adapters:
+        if adapter_name not in a.lora:
+            raise ValueError(f"the experts have no adapter {adapter_name!r} (they have {sorted(a.lora)})")
+    previous = [a.active_adapter for a in adapters]
+    for a in adapters:
+        a.active_adapter = adapter_name
+    try:
+        yield
+    finally:
+        for a, name in zip(adapters, previous):
+            a.active_adapter = name
+
+
+def _save_adapter(peft_model, model, blocks, output_dir: str, write: bool, adapter_name: str) -> None:
     kt0 = blocks[0][1].experts
     if not kt0.lora_rank:
         raise ValueError("save_adapter: the model was patched with lora_rank=0: there is no adapter to save")
@@ -288,7 +323,7 @@ def save_adapter(model: nn.Module, output_dir: str, *, write: bool = True) -> No
     os.makedirs(output_dir, exist_ok=True)
     config = _adapter_config(model, r, alpha)
     if peft_model is not None:
-        state, config = combined_adapter(peft_model, state, r, alpha)
+        state, config = combined_adapter(peft_model, state, r, alpha, adapter_name)
     from safetensors.torch import save_file
     save_file({k: v.detach().cpu().contiguous() for k, v in state.items()}, os.path.join(output_dir, ADAPTER_WEIGHTS),
               metadata={"format": "pt"})
@@ -333,21 +368,29 @@ def _split_expert_keys(blocks, state: dict) -> tuple[dict, dict]:
     return experts, {k: v for k, v in state.items() if k not in experts}
 
 
-def load_expert_part(model: nn.Module, adapter_dir: str) -> None:
-    """Only the experts' LoRA of an adapter into a patched model (PEFT loads the rest: see
-    :func:`kt_ops.hf.get_peft_model`, whose PEFT model's ``load_adapter`` calls this)."""
+def load_expert_part(model: nn.Module, adapter_dir: str, adapter_name: Optional[str] = None) -> None:
+    """Only the experts' LoRA of an adapter into a patched model, into its named adapter
+    ``adapter_name`` (default: the active one). PEFT loads the rest: see
+    :func:`kt_ops.hf.get_peft_model`, whose PEFT model's ``load_adapter`` calls this."""
     blocks = _blocks(model, "load_adapter")
     r, alpha, scaling = _check_config(read_adapter_config(adapter_dir), adapter_dir)
     state = _read_adapter_weights(adapter_dir) if blocks[0][1].experts.is_owner else {}
     experts, _ = _split_expert_keys(blocks, state)
-    load_adapter_state_dict(model, experts, r=r, scaling=scaling, lora_alpha=alpha)
+    with _reading_adapter(blocks, adapter_name or blocks[0][1].experts.adapters.active_adapter):
+        load_adapter_state_dict(model, experts, r=r, scaling=scaling, lora_alpha=alpha)
 
 
-def _load_peft_part(peft_model, state: dict, adapter_dir: str) -> None:
-    """The adapter tensors outside the patched experts, through PEFT."""
+def _load_peft_part(peft_model, blocks, state: dict, adapter_dir: str, adapter_name: str = "default") -> None:
+    """An adapter's tensors through PEFT: its own modules', and the experts' where PEFT's load
+    asks the experts for them (one owner's; kt_ops.hf.peft_experts). The experts' part is
+    also read by kt (load_adapter_state_dict), for the scale and sharded owners."""
     from peft import set_peft_model_state_dict
 
-    result = set_peft_model_state_dict(peft_model, state)
+    experts, rest = _split_expert_keys(blocks, state)
+    wanted = {f"{_PREFIX}{name}.experts.{k}" for name, b in blocks
+              for k in getattr(b.experts, "adapter_state_dict_load_map", lambda _: {})(adapter_name)}
+    result = set_peft_model_state_dict(peft_model, {**rest, **{k: v for k, v in experts.items() if k in wanted}},
+                                       adapter_name=adapter_name)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     if unexpected:
         raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} holds tensors PEFT's modules do not take: "
@@ -403,18 +446,17 @@ def _check_same_lora(peft_config, r: int, alpha: float, who: str) -> None:
                          "alpha: use the same for both")
 
 
-def combined_adapter(peft_model, expert_state: dict, r: int, alpha: float) -> tuple[dict, dict]:
+def combined_adapter(peft_model, expert_state: dict, r: int, alpha: float, adapter_name: str) -> tuple[dict, dict]:
     """``(state dict, adapter config)`` of one PEFT adapter with the PEFT LoRA of ``peft_model``
     and kt's expert LoRA (``expert_state``: PEFT keys). ValueError when the two LoRAs' rank or
     alpha differ (one LoraConfig holds one of each)."""
     from peft import get_peft_model_state_dict
 
-    config = peft_model.peft_config[peft_model.active_adapter]
+    config = peft_model.peft_config[adapter_name]
     _check_same_lora(config, r, alpha, "save_adapter")
-    state = dict(get_peft_model_state_dict(peft_model))
-    overlap = sorted(set(state) & set(expert_state))
-    if overlap:
-        raise ValueError(f"save_adapter: PEFT's adapter already holds expert LoRA keys {overlap[:3]}")
+    state = dict(get_peft_model_state_dict(peft_model, adapter_name=adapter_name))
+    # PEFT's state holds the experts' part too where this rank holds it whole (kt_ops.hf.peft_experts);
+    # kt's (gathered when sharded) is the one written.
     state.update(expert_state)
     fields = config.to_dict()
     fields["target_parameters"] = list(TARGET_PARAMETERS)

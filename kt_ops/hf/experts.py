@@ -38,6 +38,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kt_ops.hf.expert_adapters import LORA_NAMES, ExpertAdapters, ExpertLoRA
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.layer import KTMoE  # transformers itself is imported lazily (register_kt_experts)
 
@@ -224,12 +225,25 @@ def _masked(top_k_index: Tensor, top_k_weights: Tensor, num_experts: int) -> tup
     return ids, weights
 
 
+# What a KTExperts keeps per named adapter (kt_ops.hf.expert_adapters): read and written as
+# the layer's own attributes, they are the active adapter's.
+_PER_ADAPTER = frozenset(LORA_NAMES + ("lora_scale", "lora_alpha"))
+
+
 class KTExperts(KTMoE):
     """A transformers experts module on kt: same ``forward(hidden_states [T, H], top_k_index,
     top_k_weights) -> [T, H]``, experts on the owner rank's CPU (``gate_proj``/``up_proj``
-    ``[E, I, H]``, ``down_proj [E, H, I]``, LoRA ``{gate,up,down}_lora_{a,b}``), routing from
-    the model. Built by :func:`kt_ops.patch_model`; everything else is :class:`~kt_ops.KTMoE`'s
-    (collectives, DDP gradient semantics, ``routed_experts``)."""
+    ``[E, I, H]``, ``down_proj [E, H, I]``), routing from the model. Built by
+    :func:`kt_ops.patch_model`; everything else is :class:`~kt_ops.KTMoE`'s (collectives, DDP
+    gradient semantics, ``routed_experts``).
+
+    The expert LoRA lives in ``adapters`` (:class:`~kt_ops.hf.expert_adapters.ExpertAdapters`),
+    one tensor set per named adapter (``adapters.lora.default.gate_lora_a``, ...), switched by
+    PEFT (:mod:`kt_ops.hf.peft_experts`); ``self.gate_lora_a``, ``self.lora_scale``, ... read
+    and write the active adapter's. The forward uses the active adapter, or none while PEFT has
+    the adapters disabled. :func:`kt_ops.patch_model` builds them as
+    :func:`~kt_ops.hf.peft_experts.kt_experts_class` says (with PEFT installed, a subclass that
+    PEFT's walks over a model reach)."""
 
     # Whether the model's fused gate_up outputs (and so PEFT's LoRA B rows) interleave gate and
     # up (gpt-oss) rather than concatenate them; set by patch_model, read by the adapters.
@@ -239,9 +253,54 @@ class KTExperts(KTMoE):
         super().__init__(hidden_size, intermediate_size, num_experts, top_k, router=nn.Identity(), **kwargs)
         del self.gate  # the routing is the model's: no router here
 
+    def __setattr__(self, name, value):
+        if name in _PER_ADAPTER:
+            if "adapters" not in self._modules:  # the first LoRA attribute KTMoE's constructor sets
+                nn.Module.__setattr__(self, "adapters", ExpertAdapters())
+            setattr(self._modules["adapters"].active(), name, value)
+        else:
+            super().__setattr__(name, value)
+
+    def __getattr__(self, name):
+        if name in _PER_ADAPTER:
+            adapters = self.__dict__["_modules"].get("adapters")
+            if adapters is not None and adapters.active_adapter in adapters.lora:
+                return getattr(adapters.lora[adapters.active_adapter], name)
+        return nn.Module.__getattr__(self, name)
+
+    def expert_lora(self, adapter_name: str) -> ExpertLoRA:
+        """The named adapter's expert LoRA (KeyError naming the adapters there are)."""
+        if adapter_name not in self.adapters.lora:
+            raise KeyError(f"kt experts have no expert adapter {adapter_name!r} (they have "
+                           f"{sorted(self.adapters.lora)})")
+        return self.adapters.lora[adapter_name]
+
+    def _all_lora_tensors(self) -> list:
+        return self.adapters.parameters_of_all() if self.lora_rank and self.is_owner else []
+
+    def _forward_lora(self) -> tuple[tuple, float]:
+        adapter = self.adapters.current() if self.lora_rank else None
+        tensors = adapter.tensors() if adapter is not None else None
+        if tensors is None:
+            return (None,) * 6, 1.0
+        # PEFT keeps adapters it wraps in float32 over a bf16 model (autocast_adapter_dtype):
+        # kt.moe computes LoRA in the experts' dtype, the cast is differentiable.
+        return tuple(t.to(self.expert_dtype) for t in tensors), adapter.lora_scale
+
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
         ids, weights = _masked(top_k_index, top_k_weights, self.num_experts)
         return self.routed_experts(hidden_states, ids, weights)
+
+
+def kt_experts_class() -> type:
+    """The class :func:`kt_ops.patch_model` builds experts modules of: with PEFT installed, the
+    :class:`KTExperts` that PEFT's adapter switches, save and load reach
+    (:class:`kt_ops.hf.peft_experts.PeftKTExperts`), else :class:`KTExperts`."""
+    try:
+        from kt_ops.hf.peft_experts import PeftKTExperts
+    except ImportError:
+        return KTExperts
+    return PeftKTExperts
 
 
 def kt_experts_forward(self: nn.Module, hidden_states: Tensor, top_k_index: Tensor,

@@ -24,7 +24,8 @@ from kt_ops import quantization
 from kt_ops.distributed import prepare_ddp
 from kt_ops.expert_init import draw_experts
 from kt_ops.hf.expert_layout import ExpertsLayout
-from kt_ops.hf.experts import KTExperts, experts_support, is_experts_module, register_kt_experts, gating_of
+from kt_ops.hf.experts import (KTExperts, experts_support, gating_of, is_experts_module, kt_experts_class,
+                               register_kt_experts)
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES, KTMoE
 from kt_ops.placement import resolve as resolve_placement
 
@@ -173,7 +174,7 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
     # without touching the global RNG (KTMoE.reset_parameters draws from it except on the meta
     # device), so that every rank stays in RNG step.
     with torch.random.fork_rng(devices=[]), (torch.device("meta") if owner else nullcontext()):
-        kt = KTExperts(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
+        kt = kt_experts_class()(H, I, E, _top_k(experts, E), lora_rank=lora_rank, lora_alpha=lora_alpha,
                        train_base=train_base, owner_rank=owner_rank, process_group=process_group,
                        dtype=gate_up.dtype, expert_format=expert_format,
                        expert_replica_group=expert_replica_group, owners=owners, expert_bias=layout.has_bias,
@@ -244,14 +245,48 @@ def materialize_experts(kt: KTExperts, device: torch.device, scale_dtype: Option
     kt.register_gradient_hooks()
 
 
-def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> None:
+def add_expert_adapter(model: nn.Module, adapter_name: str, peft_config) -> None:
+    """A new named expert adapter in every kt experts module of ``model``, from a PEFT
+    ``LoraConfig`` (its ``r`` must be the experts' rank): PEFT's initialisation (A uniform, B
+    zero; one draw per layer on every rank, as patch_model's), its scale, frozen and inactive
+    (PEFT's ``add_adapter`` leaves the active adapter as it is)."""
+    from kt_ops.hf.expert_adapters import ExpertLoRA
+
+    if getattr(peft_config, "init_lora_weights", True) is not True:
+        raise ValueError(f"add_adapter: init_lora_weights={peft_config.init_lora_weights!r}: kt's expert LoRA "
+                         "initialises as PEFT's default (init_lora_weights=True); load other values afterwards")
+    for _, kt in patched_experts(model):
+        if adapter_name in kt.adapters.lora:
+            raise ValueError(f"add_adapter: the experts already have an adapter named {adapter_name!r}")
+        r, alpha = kt.lora_rank, float(peft_config.lora_alpha)
+        if not r:
+            raise ValueError("add_adapter: the model was patched with lora_rank=0: its experts take no adapter")
+        lora = ExpertLoRA(alpha, alpha / math.sqrt(r) if getattr(peft_config, "use_rslora", False) else alpha / r)
+        seed = int(torch.randint(0, 2**62, ()).item())  # on every rank, owner or not
+        if kt.is_owner:
+            with torch.no_grad():
+                _init_lora(kt, torch.device("cpu"), seed, on_meta=False, holder=lora)
+        lora.requires_grad_(False)
+        kt.adapters.lora[adapter_name] = lora
+        kt.register_gradient_hooks()
+
+
+def delete_expert_adapter(model: nn.Module, adapter_name: str) -> None:
+    """Remove a named expert adapter from every kt experts module (no-op where it is absent)."""
+    for _, kt in patched_experts(model):
+        kt.adapters.delete(adapter_name)
+
+
+def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool, holder: Optional[nn.Module] = None) -> None:
     """PEFT-layout LoRA of the experts, PEFT's init (A ~ U(±1/sqrt(in)), B = 0), with the
     gate and up A tied (one parameter: PEFT's single LoRA on the fused gate_up_proj). A shard's
-    owner gets its experts' rows of the draw for all of them."""
+    owner gets its experts' rows of the draw for all of them. Set on ``holder`` (a named
+    adapter's :class:`~kt_ops.hf.expert_adapters.ExpertLoRA`), by default the active adapter."""
     E, I, H, r = kt.num_experts, kt.intermediate_size, kt.hidden_size, kt.lora_rank
     mine = kt.expert_range
     dtype = kt.expert_dtype
     g = torch.Generator().manual_seed(seed)
+    holder = holder if holder is not None else kt
 
     def a(fan_in):
         if on_meta:
@@ -263,10 +298,7 @@ def _init_lora(kt: KTMoE, device: torch.device, seed: int, on_meta: bool) -> Non
     def b(out):
         return nn.Parameter(torch.zeros(len(mine), out, r, dtype=dtype, device=device))
 
-    kt.gate_lora_a = a(H)
-    kt.up_lora_a = kt.gate_lora_a  # tied: see patch_model's docstring
-    # Declared the transformers way, so that save_pretrained (Trainer checkpoints) keeps one copy
-    # instead of refusing the shared tensor, and loading the one copy fills both names.
-    kt._tied_weights_keys = {"up_lora_a": "gate_lora_a"}
-    kt.gate_lora_b, kt.up_lora_b = b(I), b(I)
-    kt.down_lora_a, kt.down_lora_b = a(I), b(H)
+    holder.gate_lora_a = a(H)
+    holder.up_lora_a = holder.gate_lora_a  # tied: see patch_model's docstring (ExpertLoRA declares the tie)
+    holder.gate_lora_b, holder.up_lora_b = b(I), b(I)
+    holder.down_lora_a, holder.down_lora_b = a(I), b(H)

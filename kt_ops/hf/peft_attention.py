@@ -14,15 +14,18 @@ one (wrapping it with PEFT when needed). This module holds :func:`load_adapter` 
 """
 from __future__ import annotations
 
+import copy
 import os
+import types
+import warnings
 
 from torch import nn
 
-from kt_ops.distributed import expert_parameters, prepare_ddp
+from kt_ops.distributed import prepare_ddp
 from kt_ops.hf.adapters import (_blocks, _check_config, _check_same_lora, _load_peft_part, _read_adapter_weights,
                                 _split_expert_keys, is_peft_model, load_adapter_state_dict, load_expert_part,
                                 peft_config_without_experts, read_adapter_config, save_adapter)
-from kt_ops.hf.patch import patched_blocks
+from kt_ops.hf.patch import add_expert_adapter, delete_expert_adapter, patched_blocks
 
 
 def get_peft_model(model: nn.Module, peft_config, **kwargs):
@@ -44,40 +47,67 @@ def get_peft_model(model: nn.Module, peft_config, **kwargs):
     kt = patched_blocks(model)[0][1].experts
     if kt.lora_rank:  # checked now, not when the adapter is saved at the end of a training run
         _check_same_lora(peft_config, kt.lora_rank, kt.lora_alpha, "get_peft_model")
-    keep = [p for p in expert_parameters(model) if p.requires_grad]
-    peft_model = peft.get_peft_model(model, peft_config, **kwargs)
-    for p in keep:
-        p.requires_grad_(True)
-
-    # PEFT's load_adapter (what Trainer calls to resume from a checkpoint) reads PEFT's own
-    # modules only: this model's also reads the experts' LoRA from the same adapter.
-    peft_load = peft_model.load_adapter
-
-    def load_adapter(model_id, adapter_name, *args, **kwargs):
-        result = peft_load(model_id, adapter_name, *args, **kwargs)
-        if os.path.isdir(str(model_id)) and read_adapter_config(str(model_id)).get("target_parameters"):
-            load_expert_part(peft_model.get_base_model(), str(model_id))
-        for p in keep:
-            p.requires_grad_(True)
-        return result
-
-    peft_model.load_adapter = load_adapter
-
-    # ... and its save_pretrained (Trainer.save_model, Trainer checkpoints) writes the one
-    # adapter holding both LoRAs (on the experts' owner; other ranks hold no expert LoRA).
-    # Sharded experts need every rank to gather them, which a call on one rank cannot do:
-    # there kt_ops.save_adapter on every rank (KTTrainer's checkpoints do) writes the whole.
-    peft_save = peft_model.save_pretrained
-
-    def save_pretrained(save_directory, *args, **kwargs):
-        peft_save(save_directory, *args, **kwargs)
-        kt = patched_blocks(peft_model.get_base_model())[0][1].experts
-        if len(peft_model.peft_config) == 1 and kt.is_owner and kt.expert_shards == 1:
-            save_adapter(peft_model, str(save_directory))
-
-    peft_model.save_pretrained = save_pretrained
+    # kt's expert LoRA stays trainable: the experts modules are PEFT auxiliary wrappers
+    # (kt_ops.hf.peft_experts), whose parameters PEFT leaves as they are.
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="You are trying to modify a model with PEFT for a second time")
+        peft_model = peft.get_peft_model(model, peft_config, **kwargs)
+    _give_named_adapters_expert_parts(peft_model)
     prepare_ddp(peft_model)  # DistributedDataParallel(peft_model): the expert tensors by their new names
     return peft_model
+
+
+def _give_named_adapters_expert_parts(peft_model) -> None:
+    """The PEFT model's ``add_adapter`` / ``load_adapter`` / ``save_pretrained`` also add, read
+    and write the experts' part of each named adapter (PEFT only injects into, and writes, what
+    its config targets; the experts modules switch with PEFT's own calls). Bound methods, so
+    that a deep copy of the model calls them on the copy."""
+    for name, method in (("add_adapter", _add_adapter), ("load_adapter", _load_adapter),
+                         ("save_pretrained", _save_pretrained)):
+        setattr(peft_model, name, types.MethodType(method, peft_model))
+
+
+def _add_adapter(self, adapter_name, peft_config, *args, **kwargs):
+    base = self.get_base_model()
+    kt = patched_blocks(base)[0][1].experts
+    if kt.lora_rank:
+        _check_same_lora(peft_config, kt.lora_rank, float(peft_config.lora_alpha), "add_adapter")
+    if getattr(peft_config, "target_parameters", None):  # an adapter read from disk: kt holds that part
+        peft_config = copy.deepcopy(peft_config)
+        peft_config.target_parameters = []
+    add_expert_adapter(base, adapter_name, peft_config)
+    try:
+        result = type(self).add_adapter(self, adapter_name, peft_config, *args, **kwargs)
+    except BaseException:
+        delete_expert_adapter(base, adapter_name)
+        raise
+    prepare_ddp(self)
+    return result
+
+
+def _load_adapter(self, model_id, adapter_name, *args, **kwargs):
+    """PEFT's load_adapter (what Trainer calls to resume from a checkpoint) adds a new name
+    through :func:`_add_adapter`; PEFT's load reads the experts' part where one owner holds it
+    whole, kt's read here sets the scale and reads a shard's rows."""
+    result = type(self).load_adapter(self, model_id, adapter_name, *args, **kwargs)
+    if os.path.isdir(str(model_id)) and read_adapter_config(str(model_id)).get("target_parameters"):
+        load_expert_part(self.get_base_model(), str(model_id), adapter_name=adapter_name)
+    return result
+
+
+def _save_pretrained(self, save_directory, *args, selected_adapters=None, **kwargs):
+    """PEFT's save_pretrained (Trainer.save_model, Trainer checkpoints), then each adapter
+    again with both parts and the config naming them (on the experts' owner; other ranks hold
+    no expert LoRA). Sharded experts need every rank to gather them, which a call on one rank
+    cannot do: there kt_ops.save_adapter on every rank (KTTrainer's checkpoints do) writes the
+    whole."""
+    type(self).save_pretrained(self, save_directory, *args, selected_adapters=selected_adapters, **kwargs)
+    kt = patched_blocks(self.get_base_model())[0][1].experts
+    if not (kt.lora_rank and kt.is_owner and kt.expert_shards == 1):
+        return
+    for name in selected_adapters or list(self.peft_config):
+        folder = str(save_directory) if name == "default" else os.path.join(str(save_directory), name)
+        save_adapter(self, folder, adapter_name=name)
 
 
 def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
@@ -118,7 +148,7 @@ def load_adapter(model: nn.Module, adapter_dir: str) -> nn.Module:
     if has_peft_part:
         if peft_model is None:
             peft_model = get_peft_model(base, peft_config_without_experts(config))
-        state, rest = _split_expert_keys(blocks, state)
-        _load_peft_part(peft_model, rest, adapter_dir)
+        _load_peft_part(peft_model, blocks, state, adapter_dir)
+        state, _ = _split_expert_keys(blocks, state)
     load_adapter_state_dict(base, state if owner else {}, r=r, scaling=scaling, lora_alpha=alpha)
     return peft_model if peft_model is not None else model
