@@ -194,3 +194,12 @@ def test_unknown_adapter_name_is_refused_by_name(setup):
     with pytest.raises(ValueError, match="r=8.*r=4"):
         kt.add_adapter("wide", peft.LoraConfig(r=8, lora_alpha=ALPHA, target_modules=["q_proj"]))
     assert "wide" not in kt.peft_config and "wide" not in experts.adapters.lora
+
+
+def test_peft_lora_on_kt_base_weights_is_refused_at_the_first_forward(setup):
+    """PEFT's own get_peft_model with target_parameters (the config one writes for the
+    unpatched model) wraps kt's down_proj in a LoRA of PEFT's own: refused, naming the fix."""
+    model = peft.get_peft_model(kt_ops.patch_model(copy.deepcopy(setup["base"]), lora_rank=R, lora_alpha=ALPHA),
+                                _full_config())
+    with pytest.raises(ValueError, match="drop target_parameters"):
+        model(input_ids=setup["ids"])

@@ -288,6 +288,14 @@ class KTExperts(KTMoE):
         return tuple(t.to(self.expert_dtype) for t in tensors), adapter.lora_scale
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+        if torch.nn.utils.parametrize.is_parametrized(self):
+            # PEFT's get_peft_model with target_parameters=["experts.down_proj", ...] (what one
+            # writes for the unpatched model) wraps kt's base weight in a LoRA of its own.
+            raise ValueError(
+                f"KTExperts (layer {self.layer_id}): its base weights are parametrized "
+                f"({sorted(self.parametrizations)}): PEFT's LoraConfig(target_parameters=[...]) put a LoRA of its own "
+                "on kt's experts. kt's expert LoRA is the experts' adapter (patch_model(lora_rank=..., lora_alpha=...)): "
+                "drop target_parameters from the LoraConfig (and keep target_modules for the other modules)")
         ids, weights = _masked(top_k_index, top_k_weights, self.num_experts)
         return self.routed_experts(hidden_states, ids, weights)
 
