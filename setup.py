@@ -23,7 +23,7 @@ setup(
     # the package kt_ops.meta_kernels (kt_ops/__init__.py finds them in a source tree too).
     package_dir={"kt_ops.meta_kernels": "meta_kernels"},
     packages=["kt_ops", "kt_ops.meta_kernels", "kt_ops.hf", "kt_ops.data", "kt_ops.finetune", "kt_ops.finetune.data"],
-    package_data={"kt_ops.finetune.data": ["corpus.txt"]},  # the kt-finetune demo corpus
+    package_data={"kt_ops.finetune.data": ["corpus.txt", "preferences.jsonl"]},  # the demo corpus and DPO pairs
     python_requires=">=3.10",
     install_requires=["torch==2.13.0"],
     # KT_OPS_SKIP_EXTENSION=1: the package alone (scripts/setup.sh builds the extension in place

@@ -29,7 +29,9 @@ def _reporting_failures(kernel, where):
         calls[where] += 1
         try:
             faults.maybe_inject(where)
-            with profiler_range(range_name):
+            # The kernels compute in their inputs' dtypes: CPU autocast (Trainer's bf16=True on a
+            # CPU) would turn the ATen calls inside them to bf16 and break their buffers.
+            with profiler_range(range_name), torch.autocast("cpu", enabled=False):
                 return kernel(*args)
         except Exception as error:
             faults.report_failure(error)

@@ -68,10 +68,19 @@ def expert_parameters(module: nn.Module) -> set[nn.Parameter]:
 def prepare_ddp(model: nn.Module) -> nn.Module:
     """Mark the owner-only expert tensors of every KT layer in ``model`` as ignored by
     ``DistributedDataParallel(model)`` (adds to ``model._ddp_params_and_buffers_to_ignore``).
-    Returns ``model``. Call it on the module you wrap, after the KT layers exist."""
+    Returns ``model``. Call it on the module you wrap, after the KT layers exist.
+
+    The names are also listed as PEFT's model wrapping ``model`` spells them
+    (``base_model.model.<name>``): a ``PeftModel`` that PEFT's own ``get_peft_model`` made
+    around a patched model (TRL's ``peft_config`` path) reads this attribute from the model it
+    wraps, and DDP matches the names against its own parameter names."""
+    names = expert_parameter_names(model)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(expert_parameter_names(model)))
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names) | {_PEFT_PREFIX + n for n in names})
     return model
+
+
+_PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the model
 
 
 def create_process_groups(model: nn.Module) -> None:
