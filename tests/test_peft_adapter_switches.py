@@ -203,3 +203,16 @@ def test_peft_lora_on_kt_base_weights_is_refused_at_the_first_forward(setup):
                                 _full_config())
     with pytest.raises(ValueError, match="drop target_parameters"):
         model(input_ids=setup["ids"])
+
+
+def test_state_dict_of_earlier_versions_loads_into_the_active_adapter(setup):
+    """Trainer checkpoints written before named adapters hold experts.gate_lora_a ...;
+    loading one fills the active adapter."""
+    model = kt_ops.patch_model(copy.deepcopy(setup["base"]), lora_rank=R, lora_alpha=ALPHA)
+    experts = kt_ops.hf.patched_experts(model)[0][1]
+    old = {k.replace("adapters.lora.default.", ""): torch.full_like(v, 0.5) for k, v in model.state_dict().items()
+           if ".adapters.lora.default." in k}
+    assert "model.layers.0.mlp.experts.gate_lora_a" in old
+    result = model.load_state_dict(old, strict=False)
+    assert not result.unexpected_keys
+    assert torch.all(experts.gate_lora_a == 0.5) and torch.all(experts.down_lora_b == 0.5)

@@ -93,3 +93,21 @@ def test_under_torchrun_equals_one_process(tmp_path_factory, args):
     one = run(tmp_path_factory, 1, "--side", "kt", *args)
     two = run(tmp_path_factory, 2, "--side", "kt", *args)
     assert_same_logs(two, one, 1e-4)
+
+
+def test_grpo_generates_and_trains_the_expert_lora(tmp_path):
+    """GRPOTrainer (TRL's peft_config path, generation with transformers' generate through
+    kt.moe, a rule-based reward): it runs on the CPU, logs rewards, and kt's expert LoRA moves.
+    (Sampled completions make an exact comparison with plain PEFT moot.)"""
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env.pop("RANK", None)
+    env.pop("WORLD_SIZE", None)
+    proc = subprocess.run(["timeout", "-k", "10", "300", sys.executable, SCRIPT, str(tmp_path), "--side", "kt",
+                           "--trainer", "grpo", "--wrap", "peft_config"], cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stderr[-8000:]
+    with open(tmp_path / "result.json") as f:
+        result = json.load(f)
+    assert len(result["logs"]) == 3 and all("reward" in step for step in result["logs"])
+    assert all(0.0 <= step["reward"] <= 1.0 for step in result["logs"])
+    assert result["expert_lora_change"] > 1e-4

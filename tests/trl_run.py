@@ -95,11 +95,23 @@ def sft_data(samples: int):
     return Dataset.from_list([{"text": " ".join(words[i * 4:(i + 1) * 4])} for i in range(samples)])
 
 
+def letters_reward(completions, **kwargs):
+    """GRPO's rule-based reward: the fraction of a completion's characters that are ASCII letters."""
+    return [sum(c.isascii() and c.isalpha() for c in text) / max(len(text), 1) for text in completions]
+
+
+def expert_lora(model):
+    import kt_ops
+
+    return {f"{name}.{n}": p.detach().clone() for name, experts in kt_ops.hf.patched_experts(model)
+            for n, p in experts.expert_lora("default").named_parameters()}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser()
     p.add_argument("out")
     p.add_argument("--side", choices=["kt", "plain"], required=True)
-    p.add_argument("--trainer", choices=["dpo", "sft"], default="dpo")
+    p.add_argument("--trainer", choices=["dpo", "sft", "grpo"], default="dpo")
     p.add_argument("--wrap", choices=["model", "peft_config"], default="model")
     p.add_argument("--packing", action="store_true")
     p.add_argument("--steps", type=int, default=STEPS)
@@ -134,6 +146,13 @@ def main(argv=None):
         config = trl.DPOConfig(**common, beta=0.1, max_length=64)
         trainer = trl.DPOTrainer(model=model, ref_model=None, args=config, train_dataset=dpo_data(GLOBAL_BATCH * args.steps),
                                  processing_class=tokenizer, peft_config=peft_config)
+    elif args.trainer == "grpo":
+        config = trl.GRPOConfig(**common, num_generations=4, max_completion_length=8)
+        prompts = [{"prompt": pair["prompt"]} for pair in dpo_data(GLOBAL_BATCH * args.steps)]
+        from datasets import Dataset
+        trainer = trl.GRPOTrainer(model=model, reward_funcs=letters_reward, args=config,
+                                  train_dataset=Dataset.from_list(prompts), processing_class=tokenizer,
+                                  peft_config=peft_config)
     else:
         config = trl.SFTConfig(**common, max_length=48, packing=args.packing,
                                padding_free=args.packing, dataset_text_field="text")
@@ -141,11 +160,14 @@ def main(argv=None):
                                  processing_class=tokenizer, peft_config=peft_config)
     if args.wrap == "peft_config":
         load_values(args.side, trainer.model, adapter)
+    before = expert_lora(trainer.model) if args.side == "kt" else {}
     trainer.train()
     if trainer.is_world_process_zero():
-        logs = [{k: h[k] for k in METRICS if k in h} for h in trainer.state.log_history if "loss" in h]
+        logs = [{k: h[k] for k in METRICS + ("reward",) if k in h} for h in trainer.state.log_history if "loss" in h]
+        after = expert_lora(trainer.model) if args.side == "kt" else {}
+        moved = max(((after[k] - v).abs().max().item() for k, v in before.items()), default=0.0)
         with open(os.path.join(args.out, "result.json"), "w") as f:
-            json.dump({"world": world, "logs": logs}, f)
+            json.dump({"world": world, "logs": logs, "expert_lora_change": moved}, f)
 
 
 if __name__ == "__main__":

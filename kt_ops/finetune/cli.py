@@ -101,6 +101,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "small built-in Qwen3-MoE model on a shipped text corpus (a few minutes on 2 cores).",
         epilog="Several processes: torchrun --nproc-per-node N -m kt_ops.finetune ... (gloo; the "
                "experts live on rank 0).")
+    p.add_argument("--trainer", choices=["sft", "dpo"], default="sft",
+                   help="sft: this job; dpo: DPO with TRL's DPOTrainer on shipped preference pairs "
+                        "(its options: python -m kt_ops.finetune --trainer dpo --help)")
     p.add_argument("--model", default=None,
                    help="local checkpoint directory (safetensors: bf16/fp32, FP8 blocks or "
                         "compressed-tensors INT4), loaded shard by shard by kt_ops.hf.from_pretrained; "

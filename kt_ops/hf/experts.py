@@ -268,6 +268,14 @@ class KTExperts(KTMoE):
                 return getattr(adapters.lora[adapters.active_adapter], name)
         return nn.Module.__getattr__(self, name)
 
+    def _load_from_state_dict(self, state_dict, prefix, *args):
+        # State dicts from before named adapters (Trainer checkpoints of earlier kt_ops) hold
+        # the LoRA as experts.gate_lora_a ...: the active adapter's.
+        for name in LORA_NAMES:
+            if prefix + name in state_dict:
+                state_dict[f"{prefix}adapters.lora.{self.adapters.active_adapter}.{name}"] = state_dict.pop(prefix + name)
+        super()._load_from_state_dict(state_dict, prefix, *args)
+
     def expert_lora(self, adapter_name: str) -> ExpertLoRA:
         """The named adapter's expert LoRA (KeyError naming the adapters there are)."""
         if adapter_name not in self.adapters.lora:
