@@ -184,3 +184,14 @@ def test_sharded_layer_times_both_placements_and_counts_the_bytes():
     per_token = (H * 4 + K * 8 + K * 4) + H * 4 + H * 4 + (H * 4 + K * 4)
     assert one_owner == per_token * (T // 2) / T
     assert rows[1]["bytes_per_token"] > 0
+
+
+def test_trl_sft_benchmark_times_both_modes():
+    """benchmarks/trl_sft.py, one short run per mode: both train and report tokens/s; packing
+    trains on more tokens per step than padding at the same batch size."""
+    from benchmarks import trl_sft
+
+    rows = trl_sft.main(["--steps", "3", "--repeats", "1", "--batch-size", "2", "--max-length", "64"])
+    assert [r["config"] for r in rows] == list(trl_sft.CONFIGS)
+    assert all(r["median"] > 0 for r in rows)
+    assert rows[1]["tokens_per_step"] > rows[0]["tokens_per_step"]
