@@ -191,7 +191,7 @@ def test_trl_sft_benchmark_times_both_modes():
     trains on more tokens per step than padding at the same batch size."""
     from benchmarks import trl_sft
 
-    rows = trl_sft.main(["--steps", "3", "--repeats", "1", "--batch-size", "2", "--max-length", "64"])
+    rows = trl_sft.main(["--steps", "3", "--repeats", "1", "--batch-size", "4", "--max-length", "256"])
     assert [r["config"] for r in rows] == list(trl_sft.CONFIGS)
     assert all(r["median"] > 0 for r in rows)
     assert rows[1]["tokens_per_step"] > rows[0]["tokens_per_step"]

@@ -8,8 +8,10 @@
   patch_model calls it.
 - :func:`from_pretrained` builds a patched model straight from a checkpoint's safetensors
   shards (bf16, FP8 blocks, compressed-tensors INT4), with bounded memory (:mod:`kt_ops.hf.loading`).
-- :func:`get_peft_model` puts PEFT LoRA on the other modules (attention) of a patched model,
-  keeping the experts' LoRA trainable; one adapter then holds both.
+- :func:`get_peft_model` puts PEFT LoRA on the other modules (attention) of a patched model;
+  one adapter then holds both. PEFT's adapter switches (``disable_adapter()``, named adapters)
+  reach the experts' LoRA (:mod:`kt_ops.hf.expert_adapters`, :mod:`kt_ops.hf.peft_experts`),
+  so TRL's trainers work as they ship.
 - :func:`save_adapter` / :func:`load_adapter` write and read the expert LoRA in PEFT's
   adapter format (``adapter_model.safetensors`` + ``adapter_config.json``), interchangeable
   with ``PeftModel`` on the unpatched model.

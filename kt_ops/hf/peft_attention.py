@@ -1,12 +1,15 @@
 """PEFT LoRA on the rest of a patched model (attention, dense MLPs) beside kt's expert LoRA.
 
-PEFT's ``get_peft_model`` freezes every parameter it did not create, kt's expert LoRA and grad
-anchors included (PEFT would have to wrap the experts itself, and the patched model has no
-``experts.gate_up_proj`` to wrap), and its ``save_pretrained`` / ``load_adapter`` only know its
-own modules. :func:`get_peft_model` is PEFT's call that keeps kt's trainable tensors trainable
-and gives the PEFT model a ``save_pretrained`` / ``load_adapter`` that also write / read the
-experts' LoRA (so ``Trainer.save_model``, Trainer checkpoints and resuming carry both). One adapter then holds both halves, in the format PEFT writes for
-the unpatched model with ``LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
+PEFT's own ``get_peft_model`` reaches the experts as one of its auxiliary training wrappers
+(:mod:`kt_ops.hf.peft_experts`): kt's LoRA stays trainable and follows PEFT's switches. Two
+things PEFT still cannot do from a ``LoraConfig`` that targets other modules: add the experts'
+part of a new named adapter (it injects only into what the config targets), and name the
+experts in the adapter config it writes (``target_parameters``). :func:`get_peft_model` is
+PEFT's call whose PEFT model does both: its ``add_adapter`` / ``load_adapter`` /
+``save_pretrained`` add, read and write the experts' part of each named adapter (so
+``Trainer.save_model``, Trainer checkpoints, resuming and TRL's ``"ref"`` adapter carry it). One
+adapter then holds both halves, in the format PEFT writes for the unpatched model with
+``LoraConfig(target_modules=[...], target_parameters=["experts.gate_up_proj",
 "experts.down_proj"])``: :func:`kt_ops.save_adapter` writes it from the PEFT-wrapped patched
 model, plain PEFT loads it into the unpatched model, :func:`kt_ops.load_adapter` into a patched
 one (wrapping it with PEFT when needed). This module holds :func:`load_adapter` for that reason;
@@ -30,7 +33,8 @@ from kt_ops.hf.patch import add_expert_adapter, delete_expert_adapter, patched_b
 
 def get_peft_model(model: nn.Module, peft_config, **kwargs):
     """``peft.get_peft_model(model, peft_config, **kwargs)`` on a model patched by
-    :func:`~kt_ops.hf.patch_model`, with kt's expert LoRA (and grad anchors) still trainable.
+    :func:`~kt_ops.hf.patch_model`, whose PEFT model also adds, loads and saves the experts'
+    part of named adapters (module docstring).
 
     ``peft_config`` targets the non-expert modules (``target_modules``); the experts' LoRA is
     kt's (``patch_model(lora_rank=...)``), so ``target_parameters`` must be empty. For one
