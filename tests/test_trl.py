@@ -6,9 +6,10 @@
   ``"ref"`` copy of the adapter and computes the reference under ``set_adapter("ref")``) and
   on one TRL wraps from ``peft_config`` (reference under ``disable_adapter()``; kt's expert
   LoRA must be off there and must train: PEFT's ``get_peft_model`` once froze it).
-* SFT (``SFTTrainer``), plain and packed (padding-free): the same losses as plain PEFT.
-* Under torchrun with 2 gloo ranks (one expert owner), DPO on both paths and packed SFT equal
-  one process on the same global batch.
+* SFT (``SFTTrainer``), plain and packed (padding-free), and through TRL's ``peft_config``
+  path: the same losses as plain PEFT.
+* Under torchrun with 2 gloo ranks (one expert owner), DPO on both paths and SFT padded and
+  packed equal one process on the same global batch.
 
 The starting adapter has nonzero B factors everywhere, so a reference that kept kt's expert
 LoRA on (the bug this guards against) gives other rewards from step 1 or 2 on.
@@ -79,16 +80,19 @@ def test_dpo_equals_plain_peft(tmp_path_factory, wrap):
         assert abs(plain[0]["rewards/chosen"]) > 1e-2
 
 
-@pytest.mark.parametrize("packing", [False, True], ids=["padded", "packed"])
-def test_sft_equals_plain_peft(tmp_path_factory, packing):
-    extra = ("--packing",) if packing else ()
+@pytest.mark.parametrize("extra", [(), ("--packing",), ("--wrap", "peft_config")],
+                         ids=["padded", "packed", "peft_config"])
+def test_sft_equals_plain_peft(tmp_path_factory, extra):
+    """SFT on a model already wrapped with PEFT, padded and packed, and through TRL's own
+    peft_config path (where kt's expert LoRA once stayed frozen: plain PEFT's losses need it)."""
     kt = run(tmp_path_factory, 1, "--side", "kt", "--trainer", "sft", *extra)
     plain = run(tmp_path_factory, 1, "--side", "plain", "--trainer", "sft", *extra)
     assert_same_logs(kt, plain, 1e-5)
 
 
 @pytest.mark.parametrize("args", [("--trainer", "dpo", "--wrap", "model"), ("--trainer", "dpo", "--wrap", "peft_config"),
-                                  ("--trainer", "sft", "--packing")], ids=["dpo-model", "dpo-peft_config", "sft-packed"])
+                                  ("--trainer", "sft"), ("--trainer", "sft", "--packing")],
+                         ids=["dpo-model", "dpo-peft_config", "sft-padded", "sft-packed"])
 def test_under_torchrun_equals_one_process(tmp_path_factory, args):
     one = run(tmp_path_factory, 1, "--side", "kt", *args)
     two = run(tmp_path_factory, 2, "--side", "kt", *args)
