@@ -242,7 +242,7 @@ class KTExperts(KTMoE):
     PEFT (:mod:`kt_ops.hf.peft_experts`); ``self.gate_lora_a``, ``self.lora_scale``, ... read
     and write the active adapter's. The forward uses the active adapter, or none while PEFT has
     the adapters disabled. :func:`kt_ops.patch_model` builds them as
-    :func:`~kt_ops.hf.peft_experts.kt_experts_class` says (with PEFT installed, a subclass that
+    :func:`kt_experts_class` says (with PEFT installed, a subclass that
     PEFT's walks over a model reach)."""
 
     # Whether the model's fused gate_up outputs (and so PEFT's LoRA B rows) interleave gate and
@@ -291,8 +291,8 @@ class KTExperts(KTMoE):
         tensors = adapter.tensors() if adapter is not None else None
         if tensors is None:
             return (None,) * 6, 1.0
-        # PEFT keeps adapters it wraps in float32 over a bf16 model (autocast_adapter_dtype):
-        # kt.moe computes LoRA in the experts' dtype, the cast is differentiable.
+        # An adapter kept in another dtype than the experts (e.g. float32 LoRA over bf16 experts):
+        # kt.moe computes LoRA in the experts' dtype; the cast is differentiable (a no-op otherwise).
         return tuple(t.to(self.expert_dtype) for t in tensors), adapter.lora_scale
 
     def forward(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
