@@ -32,7 +32,6 @@ WARMUP = 2
 
 def _one_run(args) -> dict:
     """One training run in this process: {"tokens_per_s", "tokens", "seconds"}."""
-    import re
     import time
 
     import peft
@@ -43,11 +42,11 @@ def _one_run(args) -> dict:
 
     import kt_ops
     from kt_ops.finetune.cli import build_base_model
-    from kt_ops.finetune.data import read_corpus
+    from kt_ops.finetune.data import corpus_sentences
     from kt_ops.finetune.hf_tokenizer import byte_tokenizer
 
     torch.set_num_threads(args.threads)
-    sentences = [s for s in re.split(r"(?<=[.!?;])\s+", " ".join(read_corpus().split())) if len(s) > 8]
+    sentences = [s for s in corpus_sentences() if len(s) > 8]
     data = Dataset.from_list([{"text": s} for s in sentences])
     model = build_base_model(argparse.Namespace(model=None, model_config=None, dtype="float32", seed=0))
     model = kt_ops.patch_model(model, lora_rank=8, lora_alpha=16)

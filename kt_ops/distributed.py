@@ -76,11 +76,11 @@ def prepare_ddp(model: nn.Module) -> nn.Module:
     wraps, and DDP matches the names against its own parameter names."""
     names = expert_parameter_names(model)
     ignored = set(getattr(model, "_ddp_params_and_buffers_to_ignore", ()))
-    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names) | {_PEFT_PREFIX + n for n in names})
+    model._ddp_params_and_buffers_to_ignore = sorted(ignored | set(names) | {PEFT_MODEL_PREFIX + n for n in names})
     return model
 
 
-_PEFT_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the model
+PEFT_MODEL_PREFIX = "base_model.model."  # PeftModel -> LoraModel -> the model: PEFT's names and adapter keys
 
 
 def create_process_groups(model: nn.Module) -> None:

@@ -37,6 +37,7 @@ from typing import Optional
 import torch
 from torch import Tensor, nn
 
+from kt_ops.distributed import PEFT_MODEL_PREFIX
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.patch import patched_blocks
 
@@ -44,7 +45,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_WEIGHTS_BIN = "adapter_model.bin"
 ADAPTER_CONFIG = "adapter_config.json"
 TARGET_PARAMETERS = ("experts.gate_up_proj", "experts.down_proj")
-_PREFIX = "base_model.model."
+_PREFIX = PEFT_MODEL_PREFIX
 # relative to a block: PEFT's keys for the inner (gate_up_proj) and outer (down_proj) wrapper
 _GATE_UP_KEYS = ("experts.base_layer.lora_A.weight", "experts.base_layer.lora_B.weight")
 _DOWN_KEYS = ("experts.lora_A.weight", "experts.lora_B.weight")
@@ -388,7 +389,7 @@ def _load_peft_part(peft_model, blocks, state: dict, adapter_dir: str, adapter_n
 
     experts, rest = _split_expert_keys(blocks, state)
     wanted = {f"{_PREFIX}{name}.experts.{k}" for name, b in blocks
-              for k in getattr(b.experts, "adapter_state_dict_load_map", lambda _: {})(adapter_name)}
+              for k in b.experts.adapter_state_dict_load_map(adapter_name)}
     result = set_peft_model_state_dict(peft_model, {**rest, **{k: v for k, v in experts.items() if k in wanted}},
                                        adapter_name=adapter_name)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])

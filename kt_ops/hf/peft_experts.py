@@ -92,13 +92,12 @@ class PeftKTExperts(KTExperts, AuxiliaryTrainingWrapper):
 
     def adapter_state_dict(self, adapter_name: str, state_dict: Optional[dict] = None) -> dict:
         """The named adapter's expert LoRA in PEFT's layout, keys relative to this module."""
-        from kt_ops.hf.adapters import kt_experts_to_peft
+        from kt_ops.hf.adapters import _LORA_PARTS, kt_experts_to_peft
 
         if not self._holds_whole_lora(adapter_name):
             return {}
         lora = self.adapters.lora[adapter_name]
-        return kt_experts_to_peft(self, {n: getattr(lora, n) for n in ("gate_lora_a", "gate_lora_b", "up_lora_b",
-                                                                         "down_lora_a", "down_lora_b")})
+        return kt_experts_to_peft(self, {n: getattr(lora, n) for n in _LORA_PARTS})
 
     def adapter_state_dict_load_map(self, adapter_name: str) -> dict:
         """PEFT's keys of our part -> where its load puts them (converted by

@@ -7,6 +7,7 @@ Adventures in Wonderland*, 1865; the Declaration of Independence, 1776; Genesis 
 King James Version; two of Aesop's fables in G. F. Townsend's style).
 """
 import os
+import re
 
 CORPUS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus.txt")
 
@@ -15,3 +16,8 @@ def read_corpus() -> str:
     """The default fine-tuning corpus as one string."""
     with open(CORPUS_PATH, encoding="utf-8") as f:
         return f.read()
+
+
+def corpus_sentences(text: str = None) -> list[str]:
+    """The corpus (or ``text``) as sentences, split after . ! ? ; with whitespace collapsed."""
+    return re.split(r"(?<=[.!?;])\s+", " ".join((read_corpus() if text is None else text).split()))

@@ -12,24 +12,22 @@ from __future__ import annotations
 import json
 import os
 import random
-import re
 
-from kt_ops.finetune.data import read_corpus
+from kt_ops.finetune.data import corpus_sentences
 
 PREFERENCES_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "preferences.jsonl")
 MAX_PROMPT_WORDS = 8
 MAX_COMPLETION_WORDS = 6
 
 
-def _sentences(text: str) -> list[list[str]]:
+def _sentences(text: str = None) -> list[list[str]]:
     """The corpus's sentences (split at . ! ? ;), as word lists, those of 6 words or more."""
-    words = [s.split() for s in re.split(r"(?<=[.!?;])\s+", " ".join(text.split()))]
-    return [w for w in words if len(w) >= 6]
+    return [w for w in (s.split() for s in corpus_sentences(text)) if len(w) >= 6]
 
 
 def make_preferences(text: str = None, pairs: int = 300, seed: int = 0) -> list[dict]:
     """``pairs`` dicts ``{"prompt", "chosen", "rejected"}`` (completions start with a space)."""
-    sentences = _sentences(read_corpus() if text is None else text)
+    sentences = _sentences(text)
     rng = random.Random(seed)
     out = []
     while len(out) < pairs:
