@@ -46,11 +46,12 @@ def assert_same(got, want):
     assert got[2].keys() == want[2].keys() and any("lora" in n for n in want[2])
     for name, grad in want[2].items():
         torch.testing.assert_close(got[2][name], grad, rtol=1e-5, atol=1e-6, msg=name)
-    assert not any(n.endswith(("_proj", "_scale")) for n in got[2])  # the quantized base is frozen
+    assert not any(n.endswith(("_proj", "_scale")) for n in got[2])  # the quantized base (global scales too) is frozen
 
 
-@pytest.mark.parametrize("expert_format,group_size", [("fp8", None), ("int8", None), ("int4", 32)],
-                         ids=["fp8", "int8", "int4"])
+@pytest.mark.parametrize("expert_format,group_size", [("fp8", None), ("int8", None), ("int4", 32), ("mxfp4", None),
+                                                     ("nvfp4", None)],
+                         ids=["fp8", "int8", "int4", "mxfp4", "nvfp4"])
 def test_checkpointed_layer_compiles_without_graph_breaks(expert_format, group_size):
     block = Block(expert_format, group_size)
     x = torch.randn(2, 9, 64)

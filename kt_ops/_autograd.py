@@ -32,7 +32,7 @@ def _setup_context(ctx, inputs, output):
     for weight_name, scale_name in _BASES:
         weight, scale = args[weight_name], args[scale_name]
         # Raised here, at forward time, rather than at a backward far from the cause.
-        if quantization.format_of(weight) is not None and (weight.requires_grad or (scale is not None and scale.requires_grad)):
+        if quantization.format_of(weight, scale) is not None and (weight.requires_grad or (scale is not None and scale.requires_grad)):
             raise ValueError(f"kt.moe: {weight_name} is quantized ({weight.dtype}), so it and its scale are frozen "
                              "and cannot require grad: train LoRA adapters on it instead")
     ctx.saved_activations = args["save_activations"]

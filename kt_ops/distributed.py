@@ -24,7 +24,7 @@ from typing import Optional
 
 from torch import nn
 
-from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _GLOBAL_SCALE_NAMES, _REPLICATED_NAMES, _SCALE_NAMES, KTMoE
 
 
 
@@ -35,7 +35,7 @@ def _kt_layers(model: nn.Module):
 def _owner_only(layer: KTMoE) -> list[nn.Parameter]:
     """A KT layer's owner-only tensors on this rank: base weights, scales, biases and every
     LoRA adapter's tensors (none off the owner)."""
-    named = [getattr(layer, leaf, None) for leaf in _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES]
+    named = [getattr(layer, leaf, None) for leaf in _BASE_NAMES + _SCALE_NAMES + _GLOBAL_SCALE_NAMES + _BIAS_NAMES]
     tensors = named + (list(layer._all_lora_tensors()) if layer.is_owner else [])
     return list({id(p): p for p in tensors if isinstance(p, nn.Parameter)}.values())
 

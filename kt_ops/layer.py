@@ -20,6 +20,7 @@ _layer_ids = itertools.count()
 _LORA_NAMES = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
 _BASE_NAMES = ("gate_proj", "up_proj", "down_proj")
 _SCALE_NAMES = ("gate_scale", "up_scale", "down_scale")
+_GLOBAL_SCALE_NAMES = ("gate_global_scale", "up_global_scale", "down_global_scale")  # nvfp4's, float32 [E]
 _BIAS_NAMES = ("gate_bias", "up_bias", "down_bias")  # with expert_bias=True (gpt-oss's experts)
 _REPLICATED_NAMES = ("grad_anchor", "expert_grad_norm")  # on every rank, owner or not (see __init__)
 
@@ -181,6 +182,9 @@ class KTMoE(nn.Module):
                 setattr(self, name, nn.Parameter(torch.empty(shape, **{**cpu, "dtype": qdtype}), requires_grad=False))
                 setattr(self, scale_name,
                         nn.Parameter(torch.empty(scale_shape, **{**cpu, "dtype": scale_dtype}), requires_grad=False))
+                if fmt.has_global_scale:
+                    setattr(self, _GLOBAL_SCALE_NAMES[_BASE_NAMES.index(name)],
+                            nn.Parameter(torch.ones(E, **{**cpu, "dtype": torch.float32}), requires_grad=False))
             if expert_bias:
                 for name, shape in zip(_BIAS_NAMES, ((E, I), (E, I), (E, H))):
                     setattr(self, name, nn.Parameter(torch.empty(shape, **cpu), requires_grad=train_base))
@@ -335,15 +339,26 @@ class KTMoE(nn.Module):
             return (None,) * 3
         return tuple(getattr(self, n) for n in _SCALE_NAMES)
 
+    def expert_global_scales(self) -> tuple:
+        """The owner's (gate_global_scale, up_global_scale, down_global_scale) of nvfp4 experts,
+        or three Nones."""
+        if self.expert_format != "nvfp4":
+            return (None,) * 3
+        return tuple(getattr(self, n) for n in _GLOBAL_SCALE_NAMES)
+
     def set_quantized_weight(self, name: str, weight: Tensor) -> None:
         """Quantizes float ``weight`` (``[E, out, in]``, any float dtype) into the quantized
-        base weight ``name`` ("gate_proj", "up_proj" or "down_proj") and its scale, in place."""
-        scale_name = _SCALE_NAMES[_BASE_NAMES.index(name)]
-        data, scale = getattr(self, name), getattr(self, scale_name)
-        q, s = quantization.quantize(weight, self.expert_format, self.group_size, scale_dtype=scale.dtype, name=name)
+        base weight ``name`` ("gate_proj", "up_proj" or "down_proj") and its scale (and nvfp4's
+        global scale), in place."""
+        i = _BASE_NAMES.index(name)
+        data, scale = getattr(self, name), getattr(self, _SCALE_NAMES[i])
+        q, s, *global_scale = quantization.quantize(weight, self.expert_format, self.group_size, scale_dtype=scale.dtype,
+                                                    name=name)
         with torch.no_grad():
             data.copy_(q)
             scale.copy_(s)
+            if global_scale:
+                getattr(self, _GLOBAL_SCALE_NAMES[i]).copy_(global_scale[0])
 
     def expert_nbytes(self) -> int:
         """Bytes held by the base expert weights on this rank, scales (and biases) included (0
@@ -351,7 +366,8 @@ class KTMoE(nn.Module):
         if not self.is_owner:
             return 0
         biases = sum(b.numel() * b.element_size() for b in self.expert_biases() if b is not None)
-        return quantization.nbytes(self.gate_proj, self.up_proj, self.down_proj, *self.expert_scales()) + biases
+        return quantization.nbytes(self.gate_proj, self.up_proj, self.down_proj, *self.expert_scales(),
+                                   *self.expert_global_scales()) + biases
 
     def dequantized_experts(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(gate [E, I, H], up [E, I, H], down [E, H, I])`` in float32: the weights kt.moe
@@ -362,8 +378,9 @@ class KTMoE(nn.Module):
                                f"(owner_rank={self.owner_rank})")
         if self.expert_format is None:
             return tuple(w.detach().float() for w in (self.gate_proj, self.up_proj, self.down_proj))
-        return tuple(quantization.dequantize(w.detach(), s.detach())
-                     for w, s in zip((self.gate_proj, self.up_proj, self.down_proj), self.expert_scales()))
+        return tuple(quantization.dequantize(w.detach(), s.detach(), None if g is None else g.detach())
+                     for w, s, g in zip((self.gate_proj, self.up_proj, self.down_proj), self.expert_scales(),
+                                        self.expert_global_scales()))
 
     def _apply(self, fn, recurse=True):
         """``.to()`` / ``.cuda()`` / ``.bfloat16()`` move the router, never the experts: they
@@ -374,7 +391,7 @@ class KTMoE(nn.Module):
         experts = {k: v for k, v in self._parameters.items() if k not in _REPLICATED_NAMES}
         for k in experts:
             del self._parameters[k]
-        frozen_format = set(_BASE_NAMES + _SCALE_NAMES) if self.expert_format is not None else set()
+        frozen_format = set(_BASE_NAMES + _SCALE_NAMES + _GLOBAL_SCALE_NAMES) if self.expert_format is not None else set()
         try:
             super()._apply(fn, recurse)
             target = fn(torch.empty(0, dtype=self.expert_dtype))
@@ -399,7 +416,7 @@ class KTMoE(nn.Module):
         lora, lora_scale = self._forward_lora()
         out = torch.ops.kt.moe(x.to(device, dtype), ids.to(device), weights.to(device),
                                *self.expert_tensors()[:3], *lora, lora_scale, *self.expert_scales(), self.swiglu_limit,
-                               self.activation, self.swiglu_alpha, *self.expert_biases())
+                               self.activation, self.swiglu_alpha, *self.expert_biases(), *self.expert_global_scales())
         return out.to(x.device, x.dtype)
 
     def _group_name(self) -> str:

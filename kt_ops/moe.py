@@ -28,6 +28,9 @@ def moe(
     gate_bias: Optional[Tensor] = None,
     up_bias: Optional[Tensor] = None,
     down_bias: Optional[Tensor] = None,
+    gate_global_scale: Optional[Tensor] = None,
+    up_global_scale: Optional[Tensor] = None,
+    down_global_scale: Optional[Tensor] = None,
 ) -> Tensor:
     """Routed SwiGLU experts with optional LoRA; same call as ``torch.ops.kt.moe``.
 
@@ -51,13 +54,15 @@ def moe(
         gate_proj, up_proj: ``[E, I, H]``; down_proj: ``[E, H, I]``: in the dtype of
             hidden_states, or quantized (frozen, weight-only; see :mod:`kt_ops.quantization`):
             ``float8_e4m3fn`` (fp8, 128x128 blocks), ``int8`` (per output channel) or ``uint8``
-            (int4, two values per byte: ``[E, out, in/2]``), each with its scale.
+            (two values per byte: ``[E, out, in/2]``: int4, or E2M1 codes for mxfp4 / nvfp4,
+            which their scales' dtype tells apart), each with its scale.
         *_lora_a: ``[E, r, in]``; *_lora_b: ``[E, out, r]`` (PEFT layout, stacked over
             experts). Give A and B together; one rank r for all adapters.
         lora_scale: the LoRA scale ``alpha / r``.
         gate_scale, up_scale, down_scale: scales of quantized base weights (float32 or
             bfloat16): fp8 ``[E, ceil(out/128), ceil(in/128)]``, int8 ``[E, out]``, int4
-            ``[E, out, in/group_size]`` (group_size 32, 64 or 128). None for dense weights.
+            ``[E, out, in/group_size]`` (group_size 32, 64 or 128); mxfp4 float8_e8m0fnu
+            ``[E, out, in/32]``, nvfp4 float8_e4m3fn ``[E, out, in/16]``. None for dense weights.
         swiglu_limit: None, or ``L > 0``: gate and up are clamped first, as transformers'
             clamped SwiGLU (``swiglu_limit`` of DeepSeek-V4, GLM-5, HY-V4) computes them;
             their gradients are zero where the clamp cut (torch.clamp's).
@@ -69,6 +74,8 @@ def moe(
             the other activations.
         gate_bias, up_bias: ``[E, I]``; down_bias: ``[E, H]``: per-expert biases (gpt-oss's
             experts have them), in the dtype of hidden_states; each optional.
+        gate_global_scale, up_global_scale, down_global_scale: nvfp4's float32 ``[E]``
+            global scales (a weight is ``e2m1 · scale · global``); None for other formats.
 
     Returns:
         ``[..., H]`` in the dtype of ``hidden_states``.
@@ -83,4 +90,5 @@ def moe(
         float(lora_scale), gate_scale, up_scale, down_scale,
         None if swiglu_limit is None else float(swiglu_limit), activation,
         None if swiglu_alpha is None else float(swiglu_alpha), gate_bias, up_bias, down_bias,
+        gate_global_scale, up_global_scale, down_global_scale,
     )

@@ -6,6 +6,9 @@ format   weight dtype          weight shape                 scale (one per ...)
 fp8      float8_e4m3fn         ``[E, out, in]``             128x128 block: ``[E, ceil(out/128), ceil(in/128)]``
 int8     int8                  ``[E, out, in]``             output channel: ``[E, out]``
 int4     uint8 (2 per byte)    ``[E, out, in/2]``           group of g input columns: ``[E, out, in/g]``
+mxfp4    uint8 (2 per byte)    ``[E, out, in/2]``           32 input columns: ``[E, out, in/32]`` float8_e8m0fnu
+nvfp4    uint8 (2 per byte)    ``[E, out, in/2]``           16 input columns: ``[E, out, in/16]`` float8_e4m3fn,
+                                                            times a global scale per expert ``[E]`` float32
 =======  ====================  ===========================  ==========================================
 
 A weight is ``q * scale`` computed in float32 (that float32 value is the dequantized weight:
@@ -19,6 +22,15 @@ scales for fp8 and int8 (a few per thousand weights) and bfloat16 ones for int4,
 are one per ``g`` weights: float32 there would add a quarter to int4's bytes at ``g = 32``.
 Quantization is symmetric (amax / 448 for fp8, amax / 127 for int8, amax / 7 for int4),
 round to nearest even; an all-zero block or group gets scale 1.
+
+The 4-bit float formats store E2M1 codes (bit 3 the sign, then 2 exponent and 1 mantissa bits:
+magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6) in int4's nibble order. ``mxfp4`` (OCP MX, gpt-oss's
+experts) scales each 32 columns by a power of two, ``2^(e - 127)`` for the E8M0 byte e, chosen
+by the OCP rule ``2^(floor(log2(amax)) - 2)`` (the block's largest magnitude lands in [4, 8),
+saturating at 6). ``nvfp4`` scales each 16 columns by an FP8 E4M3 scale times a float32 global
+scale per expert (ModelOpt's ``weight_scale_2``; compressed-tensors stores its inverse): global
+``amax / (448 * 6)``, block scale ``amax_block / 6 / global`` rounded to E4M3. A weight is
+``e2m1 * (scale * global)`` in float32; values round to the nearest E2M1 (ties to the even code).
 """
 from __future__ import annotations
 
@@ -30,18 +42,33 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-FORMATS = ("fp8", "int8", "int4")
+FORMATS = ("fp8", "int8", "int4", "mxfp4", "nvfp4")
+FP4_FORMATS = ("mxfp4", "nvfp4")
 GROUP_SIZES = (32, 64, 128)
+FP4_GROUP = {"mxfp4": 32, "nvfp4": 16}  # fixed by the formats
 FP8_BLOCK = 128
-_DTYPE_OF = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8}
-_FORMAT_OF = {dtype: fmt for fmt, dtype in _DTYPE_OF.items()}
-_DEFAULT_SCALE_DTYPE = {"fp8": torch.float32, "int8": torch.float32, "int4": torch.bfloat16}
+_DTYPE_OF = {"fp8": torch.float8_e4m3fn, "int8": torch.int8, "int4": torch.uint8, "mxfp4": torch.uint8,
+             "nvfp4": torch.uint8}
+_FORMAT_OF = {torch.float8_e4m3fn: "fp8", torch.int8: "int8", torch.uint8: "int4"}
+# The 4-bit float formats are uint8 data told apart from int4 by their scales' dtype.
+_FP4_FORMAT_OF_SCALE = {torch.float8_e8m0fnu: "mxfp4", torch.float8_e4m3fn: "nvfp4"}
+_DEFAULT_SCALE_DTYPE = {"fp8": torch.float32, "int8": torch.float32, "int4": torch.bfloat16,
+                        "mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
 _QMAX = {"fp8": 448.0, "int8": 127.0, "int4": 7.0}
+# E2M1's magnitudes by code (bit 3 is the sign), and the midpoints between neighbours.
+E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
+E2M1_MAX = 6.0
+E4M3_MAX = 448.0
 
 
-def format_of(weight: Tensor) -> Optional[str]:
-    """``"fp8"``, ``"int8"`` or ``"int4"`` for a quantized weight tensor, None for a float one."""
-    return _FORMAT_OF.get(weight.dtype)
+def format_of(weight: Tensor, scale: Optional[Tensor] = None) -> Optional[str]:
+    """The format of a quantized weight tensor (uint8 data is int4, or mxfp4 / nvfp4 when its
+    ``scale`` is float8_e8m0fnu / float8_e4m3fn), None for a float one."""
+    fmt = _FORMAT_OF.get(weight.dtype)
+    if fmt == "int4" and scale is not None:
+        return _FP4_FORMAT_OF_SCALE.get(scale.dtype, fmt)
+    return fmt
 
 
 @dataclasses.dataclass(frozen=True)
@@ -68,6 +95,12 @@ class ExpertFormat:
             return expert_format
         if expert_format is not None and expert_format not in FORMATS:
             raise ValueError(f"{where}: expert_format must be None or one of {FORMATS}, got {expert_format!r}")
+        if expert_format in FP4_FORMATS:
+            fixed = FP4_GROUP[expert_format]
+            if group_size is not None and group_size != fixed:
+                raise ValueError(f"{where}: {expert_format} scales groups of {fixed} columns; group_size={group_size!r} "
+                                 "cannot be chosen")
+            return cls(expert_format, fixed)
         if expert_format != "int4":
             if group_size is not None:
                 raise ValueError(f"{where}: group_size is for expert_format='int4' only, got group_size={group_size!r} "
@@ -94,7 +127,15 @@ class ExpertFormat:
         if self.name == "int4" and (hidden_size % self.group_size or intermediate_size % self.group_size):
             return (f"int4 groups of {self.group_size} must divide hidden size {hidden_size} and intermediate size "
                     f"{intermediate_size}; choose another group_size")
+        if self.name in FP4_FORMATS and (hidden_size % 32 or intermediate_size % 32):
+            return (f"{self.name} needs hidden size {hidden_size} and intermediate size {intermediate_size} to be "
+                    "multiples of 32")
         return None
+
+    @property
+    def has_global_scale(self) -> bool:
+        """nvfp4 weights come with a float32 global scale per expert."""
+        return self.name == "nvfp4"
 
     def __str__(self) -> str:
         if self.name == "int4":
@@ -112,6 +153,8 @@ def quantize(weight: Tensor, expert_format: str, group_size: Optional[int] = Non
              scale_dtype: Optional[torch.dtype] = None, name: str = "weight") -> tuple[Tensor, Tensor]:
     """``weight [E, out, in]`` (any float dtype) -> ``(data, scale)`` in ``expert_format``.
 
+    nvfp4 returns ``(data, scale, global_scale)``, ``global_scale [E]`` float32.
+
     Works one expert at a time, so the extra memory is one expert's float32 copy. Raises
     ValueError (naming ``name``) for NaN or inf weights, or an ``in`` that int4's groups do not
     divide."""
@@ -125,19 +168,31 @@ def quantize(weight: Tensor, expert_format: str, group_size: Optional[int] = Non
     E, out, inp = weight.shape
     if expert_format == "int4" and inp % group_size:
         raise ValueError(f"quantize: {name} has {inp} input columns, not a multiple of group_size={group_size}")
+    if expert_format in FP4_FORMATS and inp % 32:
+        raise ValueError(f"quantize: {name} has {inp} input columns; {expert_format} needs a multiple of 32")
     scale_dtype = scale_dtype or _DEFAULT_SCALE_DTYPE[expert_format]
-    if scale_dtype not in (torch.float32, torch.bfloat16):
+    if expert_format in FP4_FORMATS:
+        if scale_dtype != _DEFAULT_SCALE_DTYPE[expert_format]:
+            raise ValueError(f"quantize: {expert_format}'s scales are {_DEFAULT_SCALE_DTYPE[expert_format]}, "
+                             f"got scale_dtype={scale_dtype}")
+    elif scale_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantize: scale_dtype must be float32 or bfloat16, got {scale_dtype}")
-    stored_in = inp // 2 if expert_format == "int4" else inp
+    stored_in = inp // 2 if _DTYPE_OF[expert_format] == torch.uint8 else inp
     data = torch.empty(E, out, stored_in, dtype=_DTYPE_OF[expert_format], device=weight.device)
     scale = torch.empty(_scale_shape(expert_format, E, out, inp, group_size), dtype=scale_dtype, device=weight.device)
+    global_scale = torch.empty(E, dtype=torch.float32, device=weight.device)
     with torch.no_grad():
         for e in range(E):
             w = weight[e].float()
             if not torch.isfinite(w.abs().amax()):  # amax keeps a NaN or inf (and is 6x cheaper)
                 raise ValueError(f"quantize: {name} has NaN or inf values (expert {e}); they cannot be quantized")
-            data[e], scale[e] = _quantize_matrix(w, expert_format, group_size, scale_dtype)
-    return data, scale
+            if expert_format == "mxfp4":
+                data[e], scale[e] = _quantize_mxfp4(w)
+            elif expert_format == "nvfp4":
+                data[e], scale[e], global_scale[e] = _quantize_nvfp4(w)
+            else:
+                data[e], scale[e] = _quantize_matrix(w, expert_format, group_size, scale_dtype)
+    return (data, scale, global_scale) if expert_format == "nvfp4" else (data, scale)
 
 
 def fp8_scale_grid(out: int, inp: int) -> tuple[int, int]:
@@ -149,6 +204,53 @@ def pack_int4(values: Tensor) -> Tensor:
     """int4's stored bytes from ``values [out, in]`` holding q + 8 (0..15): column 2j in byte j's
     low nibble, 2j + 1 in its high nibble."""
     return values[:, 0::2] | (values[:, 1::2] << 4)
+
+
+def e2m1_codes(x: Tensor) -> Tensor:
+    """The E2M1 codes (uint8, 0..15) nearest to float32 ``x`` (ties to the even code,
+    saturating at ±6; -0.0 keeps its sign)."""
+    mag = x.abs()
+    midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=x.dtype, device=x.device)
+    code = torch.bucketize(mag, midpoints)  # a tie rounds down to the code below ...
+    tie = (code < len(_E2M1_MIDPOINTS)) & (mag == midpoints[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)])
+    code = code + (tie & (code % 2 == 1)).to(code.dtype)  # ... unless that code is odd
+    return (code | (torch.signbit(x).to(code.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_values(codes: Tensor) -> Tensor:
+    """The float32 values of E2M1 codes (uint8, 0..15)."""
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32, device=codes.device)
+    return table[codes.long()]
+
+
+def e8m0_values(scale: Tensor) -> Tensor:
+    """float32 ``2^(e - 127)`` of float8_e8m0fnu (or uint8) scale bytes e (255 is NaN)."""
+    e = scale.view(torch.uint8).to(torch.int32)
+    return torch.where(e == 255, torch.nan, torch.ldexp(torch.ones_like(e, dtype=torch.float32), e - 127))
+
+
+def _quantize_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
+    out, inp = w.shape
+    groups = w.reshape(out, inp // 32, 32)
+    amax = groups.abs().amax(dim=2)
+    # OCP MX: shared exponent floor(log2(amax)) - emax(E2M1) = ... - 2; an all-zero block gets 2^0
+    exponent = torch.where(amax > 0, torch.floor(torch.log2(amax)) - 2, torch.zeros_like(amax)).clamp(-127, 127)
+    scale_bytes = (exponent + 127).to(torch.uint8)
+    scale = e8m0_values(scale_bytes)
+    codes = e2m1_codes((groups / scale[:, :, None]).reshape(out, inp))
+    return pack_int4(codes), scale_bytes.view(torch.float8_e8m0fnu)
+
+
+def _quantize_nvfp4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    out, inp = w.shape
+    amax = w.abs().amax()
+    global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.ones((), device=w.device)
+    groups = w.reshape(out, inp // 16, 16)
+    block = (groups.abs().amax(dim=2) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    effective = block.float() * global_scale
+    safe = torch.where(effective > 0, effective, torch.ones_like(effective))
+    codes = e2m1_codes((groups / safe[:, :, None]).reshape(out, inp))
+    return pack_int4(codes), block, global_scale.float()
 
 
 def _scale_shape(fmt: str, E: int, out: int, inp: int, group_size: Optional[int]) -> tuple:
@@ -185,18 +287,36 @@ def _quantize_matrix(w: Tensor, fmt: str, group_size: Optional[int], scale_dtype
     return pack_int4(q), scale
 
 
-def dequantize(data: Tensor, scale: Tensor) -> Tensor:
-    """The float32 weights ``[E, out, in]`` that quantized ``data`` and ``scale`` stand for
-    (exactly the values the kernels compute with). Expert by expert, any device."""
-    fmt = format_of(data)
+def dequantize(data: Tensor, scale: Tensor, global_scale: Optional[Tensor] = None) -> Tensor:
+    """The float32 weights ``[E, out, in]`` that quantized ``data`` and ``scale`` (and nvfp4's
+    ``global_scale [E]``) stand for (exactly the values the kernels compute with). Expert by
+    expert, any device."""
+    fmt = format_of(data, scale)
     if fmt is None:
-        raise ValueError(f"dequantize: data must be float8_e4m3fn, int8 or uint8 (int4), got {data.dtype}")
+        raise ValueError(f"dequantize: data must be float8_e4m3fn, int8 or uint8 (int4, mxfp4, nvfp4), got {data.dtype}")
+    if (fmt == "nvfp4") != (global_scale is not None):
+        raise ValueError(f"dequantize: global_scale is given with nvfp4 data, and only then (data is {fmt})")
     E, out, stored_in = data.shape
-    inp = 2 * stored_in if fmt == "int4" else stored_in
+    inp = 2 * stored_in if data.dtype == torch.uint8 else stored_in
     result = torch.empty(E, out, inp, dtype=torch.float32, device=data.device)
     for e in range(E):
-        result[e] = _dequantize_matrix(data[e], scale[e].float(), fmt, out, inp)
+        if fmt == "mxfp4":
+            result[e] = _dequantize_fp4(data[e], e8m0_values(scale[e]), out, inp)
+        elif fmt == "nvfp4":
+            result[e] = _dequantize_fp4(data[e], scale[e].float() * global_scale[e].float(), out, inp)
+        else:
+            result[e] = _dequantize_matrix(data[e], scale[e].float(), fmt, out, inp)
     return result
+
+
+def unpack_nibbles(q: Tensor) -> Tensor:
+    """``[out, in/2]`` bytes -> ``[out, in]`` codes (uint8 0..15): pack_int4's inverse."""
+    return torch.stack((q & 0xF, q >> 4), dim=-1).reshape(q.shape[0], 2 * q.shape[1])
+
+
+def _dequantize_fp4(q: Tensor, scale: Tensor, out: int, inp: int) -> Tensor:
+    """E2M1 codes times the float32 scale of their group (``scale [out, in/g]``)."""
+    return e2m1_values(unpack_nibbles(q)) * scale.repeat_interleave(inp // scale.shape[-1], dim=1)
 
 
 def _dequantize_matrix(q: Tensor, scale: Tensor, fmt: str, out: int, inp: int) -> Tensor:
@@ -218,7 +338,8 @@ def storage_layout(expert_format: str, E: int, out: int, inp: int, group_size: O
                    ) -> tuple[tuple, torch.dtype, tuple, torch.dtype]:
     """(data shape, data dtype, scale shape, scale dtype) of ``[E, out, in]`` weights in a format,
     as :func:`quantize` writes them."""
-    stored_in = inp // 2 if expert_format == "int4" else inp
+    stored_in = inp // 2 if _DTYPE_OF[expert_format] == torch.uint8 else inp
+    group_size = FP4_GROUP.get(expert_format, group_size)
     return ((E, out, stored_in), _DTYPE_OF[expert_format], _scale_shape(expert_format, E, out, inp, group_size),
             _DEFAULT_SCALE_DTYPE[expert_format])
 
@@ -242,4 +363,6 @@ def expert_set_nbytes(num_experts: int, hidden_size: int, intermediate_size: int
             continue
         shape, qdtype, scale_shape, scale_dtype = storage_layout(expert_format, num_experts, out, inp, group_size)
         total += math.prod(shape) * qdtype.itemsize + math.prod(scale_shape) * scale_dtype.itemsize
+        if fmt.has_global_scale:
+            total += num_experts * 4  # float32 [E]
     return total

@@ -9,19 +9,27 @@ from moe_samples import make_moe_inputs
 
 BASE = ("gate_proj", "up_proj", "down_proj")
 SCALES = ("gate_scale", "up_scale", "down_scale")
+GLOBAL_SCALES = ("gate_global_scale", "up_global_scale", "down_global_scale")  # nvfp4's
 # (format, group_size): every format, int4 at each group size.
 FORMATS = [("fp8", None), ("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
 FORMAT_IDS = [f if g is None else f"{f}-g{g}" for f, g in FORMATS]
+# The 4-bit float formats (fixed groups and scale dtypes).
+FP4_FORMATS = [("mxfp4", None), ("nvfp4", None)]
+FP4_FORMAT_IDS = ["mxfp4", "nvfp4"]
 
 
 def quantized_inputs(expert_format: str, group_size: Optional[int], *, scale_dtype=None,
                      **make_kwargs) -> Dict[str, object]:
     """make_moe_inputs(...) with gate/up/down replaced by their quantized form plus scales."""
     kwargs = make_moe_inputs(**make_kwargs)
-    for name, scale_name in zip(BASE, SCALES):
-        data, scale = quantization.quantize(kwargs[name].detach(), expert_format, group_size,
-                                            scale_dtype=scale_dtype, name=name)
+    if expert_format in quantization.FP4_FORMATS:
+        scale_dtype = None  # the format's own
+    for name, scale_name, global_name in zip(BASE, SCALES, GLOBAL_SCALES):
+        data, scale, *global_scale = quantization.quantize(kwargs[name].detach(), expert_format, group_size,
+                                                           scale_dtype=scale_dtype, name=name)
         kwargs[name], kwargs[scale_name] = data, scale
+        if global_scale:
+            kwargs[global_name] = global_scale[0]
     return kwargs
 
 
@@ -29,10 +37,10 @@ def dequantized_inputs(kwargs: Dict[str, object]) -> Dict[str, object]:
     """The same call with the base weights dequantized (float32 values, in the activations'
     dtype when that is float64 so that nothing is rounded) and no scales: what the reference
     computes, after moe_testing.to_float64 upcasts it."""
-    out = {k: v for k, v in kwargs.items() if k not in SCALES}
-    for name, scale_name in zip(BASE, SCALES):
+    out = {k: v for k, v in kwargs.items() if k not in SCALES + GLOBAL_SCALES}
+    for name, scale_name, global_name in zip(BASE, SCALES, GLOBAL_SCALES):
         if kwargs.get(scale_name) is not None:
-            out[name] = quantization.dequantize(kwargs[name], kwargs[scale_name]).double()
+            out[name] = quantization.dequantize(kwargs[name], kwargs[scale_name], kwargs.get(global_name)).double()
     return out
 
 

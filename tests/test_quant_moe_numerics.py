@@ -6,7 +6,7 @@ import torch
 
 import kt_ops
 from kt_ops import quantization
-from quantized_samples import FORMAT_IDS, FORMATS, SCALES, quantized_inputs
+from quantized_samples import FORMAT_IDS, FORMATS, FP4_FORMAT_IDS, FP4_FORMATS, SCALES, quantized_inputs
 from quantized_testing import ALL_ISAS, check_against_reference
 
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
@@ -56,7 +56,7 @@ def test_quantized_and_dense_projections_mix():
     check_against_reference({**kwargs, "down_scale": None}, f32)
 
 
-@pytest.mark.parametrize("fmt,group", FORMATS, ids=FORMAT_IDS)
+@pytest.mark.parametrize("fmt,group", FORMATS + FP4_FORMATS, ids=FORMAT_IDS + FP4_FORMAT_IDS)
 @pytest.mark.parametrize("T", [2, 48], ids=["decode", "gemm"])
 def test_moe_with_empty_slots(fmt, group, T):
     """Empty slots (id -1, as a sharded layer's owner receives them) on quantized experts: output

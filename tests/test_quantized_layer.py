@@ -1,4 +1,4 @@
-"""KTMoE and patch_model with quantized frozen experts (expert_format = fp8 / int8 / int4):
+"""KTMoE and patch_model with quantized frozen experts (expert_format = fp8 / int8 / int4 / mxfp4 / nvfp4):
 the layer against the float64 reference on its dequantized experts, the bytes the experts
 hold, construction on the meta device, dtype moves, state dicts, the refusals, and a
 patched tiny transformers model: logits of the unpatched model holding the dequantized
@@ -13,8 +13,8 @@ from kt_ops import KTMoE, quantization
 from kt_ops.reference import moe_reference
 
 f32, bf16 = torch.float32, torch.bfloat16
-FORMATS = [("fp8", None), ("int8", None), ("int4", 32), ("int4", 128)]
-FORMAT_IDS = ["fp8", "int8", "int4-g32", "int4-g128"]
+FORMATS = [("fp8", None), ("int8", None), ("int4", 32), ("int4", 128), ("mxfp4", None), ("nvfp4", None)]
+FORMAT_IDS = ["fp8", "int8", "int4-g32", "int4-g128", "mxfp4", "nvfp4"]
 LORA = ("gate_lora_a", "gate_lora_b", "up_lora_a", "up_lora_b", "down_lora_a", "down_lora_b")
 
 
@@ -57,10 +57,13 @@ def test_layer_matches_float64_on_its_dequantized_experts(fmt, group, dtype, T):
         assert rel_err(getattr(layer, name).grad, ref_param.grad) < tol, name
     for name in ("gate_proj", "up_proj", "down_proj", "gate_scale", "up_scale", "down_scale"):
         assert not getattr(layer, name).requires_grad and getattr(layer, name).grad is None
+    for g in layer.expert_global_scales():  # nvfp4's
+        assert g is None or (not g.requires_grad and g.grad is None)
 
 
 @pytest.mark.parametrize("fmt,group,max_ratio", [("fp8", None, 0.52), ("int8", None, 0.52), ("int4", 32, 0.30),
-                                                 ("int4", 128, 0.30)], ids=FORMAT_IDS)
+                                                 ("int4", 128, 0.30), ("mxfp4", None, 0.27), ("nvfp4", None, 0.29)],
+                         ids=FORMAT_IDS)
 def test_expert_bytes_against_bf16(fmt, group, max_ratio):
     """Scales included; at the Qwen3-30B-A3B expert shape (H=2048, I=768), 2 experts."""
     bf16_layer = KTMoE(2048, 768, 2, 1, dtype=bf16)
@@ -69,7 +72,9 @@ def test_expert_bytes_against_bf16(fmt, group, max_ratio):
     ratio = layer.expert_nbytes() / bf16_layer.expert_nbytes()
     assert ratio <= max_ratio, ratio
     assert layer.expert_nbytes() == sum(getattr(layer, n).nbytes for n in
-                                        ("gate_proj", "up_proj", "down_proj", "gate_scale", "up_scale", "down_scale"))
+                                        ("gate_proj", "up_proj", "down_proj", "gate_scale", "up_scale", "down_scale",
+                                         *(("gate_global_scale", "up_global_scale", "down_global_scale")
+                                           if fmt == "nvfp4" else ())))
 
 
 def test_dequantized_experts_are_the_quantized_values():
@@ -103,6 +108,40 @@ def test_meta_device_construction_has_the_quantized_layout():
     with FakeTensorMode(allow_non_fake_inputs=True):
         out = layer(torch.empty(5, 256, dtype=bf16, device="meta"))
     assert out.shape == (5, 256) and out.dtype == bf16
+
+
+@pytest.mark.parametrize("fmt,scale_dtype", [("mxfp4", torch.float8_e8m0fnu), ("nvfp4", torch.float8_e4m3fn)])
+def test_meta_device_construction_of_fp4_experts(fmt, scale_dtype):
+    with torch.device("meta"):
+        layer = KTMoE(256, 128, 4, 2, lora_rank=2, dtype=bf16, expert_format=fmt)
+    group = quantization.FP4_GROUP[fmt]
+    assert layer.gate_proj.shape == (4, 128, 128) and layer.gate_proj.dtype == torch.uint8
+    assert layer.gate_scale.shape == (4, 128, 256 // group) and layer.gate_scale.dtype == scale_dtype
+    assert layer.down_scale.shape == (4, 256, 128 // group)
+    globals_ = [getattr(layer, n, None) for n in ("gate_global_scale", "up_global_scale", "down_global_scale")]
+    assert all(g is not None and g.shape == (4,) and g.dtype == f32 for g in globals_) == (fmt == "nvfp4")
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        out = layer(torch.empty(5, 256, dtype=bf16, device="meta"))
+    assert out.shape == (5, 256) and out.dtype == bf16
+
+
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_fp4_dtype_moves_and_state_dict_keep_the_storage(fmt):
+    layer = quantized_layer(fmt, None, f32)
+    x = torch.randn(10, 256)
+    ref = layer(x)
+    layer.bfloat16()
+    assert layer.gate_proj.dtype == torch.uint8 and layer.gate_scale.dtype in (torch.float8_e8m0fnu, torch.float8_e4m3fn)
+    if fmt == "nvfp4":
+        assert layer.gate_global_scale.dtype == f32
+    assert rel_err(layer(x.bfloat16()), ref) < 2e-2
+    layer.float()
+    state = layer.state_dict()
+    fresh = quantized_layer(fmt, None, f32, seed=1)
+    assert not torch.equal(fresh.gate_scale.view(torch.uint8), layer.gate_scale.view(torch.uint8))
+    fresh.load_state_dict(state)
+    assert rel_err(fresh(x), layer(x)) == 0
 
 
 def test_dtype_moves_keep_the_quantized_storage():
@@ -162,8 +201,9 @@ def input_ids(seed=0):
     return torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(seed))
 
 
-@pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 32), ("int4", 64)],
-                         ids=["fp8", "int8", "int4-g32", "int4-g64"])
+@pytest.mark.parametrize("fmt,group", [("fp8", None), ("int8", None), ("int4", 32), ("int4", 64), ("mxfp4", None),
+                                       ("nvfp4", None)],
+                         ids=["fp8", "int8", "int4-g32", "int4-g64", "mxfp4", "nvfp4"])
 @pytest.mark.parametrize("dtype", [f32, bf16], ids=["fp32", "bf16"])
 def test_patched_model_gives_the_logits_of_the_dequantized_model(fmt, group, dtype):
     model = tiny_qwen3_moe(dtype, moe_last_only=dtype == bf16)  # bf16: see test_hf_patching's docstring

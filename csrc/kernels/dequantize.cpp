@@ -27,7 +27,7 @@ inline float raw_value(const WeightMatrix& w, const uint8_t* row, int64_t c) {
   switch (w.format) {
     case WeightFormat::kFp8: return fp8_e4m3_to_float(row[c]);
     case WeightFormat::kInt8: return static_cast<float>(static_cast<int8_t>(row[c]));
-    default: return static_cast<float>(((row[c / 2] >> ((c & 1) * 4)) & 0xF) - 8);
+    default: return static_cast<float>(nibble_values(w.format)[(row[c / 2] >> ((c & 1) * 4)) & 0xF]);
   }
 }
 
@@ -69,15 +69,17 @@ KT_TARGET_AVX2 void dequantize_avx2(const WeightMatrix& w, int64_t row0, int64_t
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = row_bytes(w, row0 + r);
     T* out = dst + r * ld;
-    if (w.format == WeightFormat::kInt4) {  // whole groups of 32, 64 or 128 columns
+    if (is_nibble_format(w.format)) {  // whole groups of 16 (nvfp4), 32, 64 or 128 columns
       const int64_t G = w.group, s0 = (row0 + r) * (w.cols / G);
+      // the codes' values by a byte shuffle: int4's q - 8, fp4's 2 * e2m1 (nibble_values)
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_values(w.format)));
       for (int64_t g0 = col0; g0 < col1; g0 += G) {
         const __m256 s = _mm256_set1_ps(scale_at(w, s0 + g0 / G));
         for (int64_t c = g0; c < g0 + G; c += 16) {
           const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + c / 2));
           const __m128i mask = _mm_set1_epi8(0x0f);
           const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-          const __m128i values = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), _mm_set1_epi8(8));  // 16 columns in order
+          const __m128i values = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));  // 16 columns in order
           store8(out + (c - col0), _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(values)), s));
           store8(out + (c - col0) + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(values, 8))), s));
         }
@@ -117,16 +119,25 @@ KT_TARGET_AVX512 void dequantize_avx512(const WeightMatrix& w, int64_t row0, int
   for (int64_t r = 0; r < rows; ++r) {
     const uint8_t* src = row_bytes(w, row0 + r);
     T* out = dst + r * ld;
-    if (w.format == WeightFormat::kInt4) {  // whole groups of 32, 64 or 128 columns
+    if (is_nibble_format(w.format)) {  // whole groups of 16 (nvfp4), 32, 64 or 128 columns
       const int64_t G = w.group, s0 = (row0 + r) * (w.cols / G);
+      // the codes' values by a byte shuffle: int4's q - 8, fp4's 2 * e2m1 (nibble_values)
+      const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_values(w.format)));
+      const __m128i mask = _mm_set1_epi8(0x0f);
       for (int64_t g0 = col0; g0 < col1; g0 += G) {
         const __m512 s = _mm512_set1_ps(scale_at(w, s0 + g0 / G));
+        if (G == 16) {
+          const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(src + g0 / 2));
+          const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
+          const __m128i values = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));
+          store16(out + (g0 - col0), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(values)), s));
+          continue;
+        }
         for (int64_t c = g0; c < g0 + G; c += 32) {
           const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + c / 2));
-          const __m128i mask = _mm_set1_epi8(0x0f), eight = _mm_set1_epi8(8);
           const __m128i lo = _mm_and_si128(b, mask), hi = _mm_and_si128(_mm_srli_epi16(b, 4), mask);
-          const __m128i first = _mm_sub_epi8(_mm_unpacklo_epi8(lo, hi), eight);  // columns c .. c+15
-          const __m128i second = _mm_sub_epi8(_mm_unpackhi_epi8(lo, hi), eight);  // c+16 .. c+31
+          const __m128i first = _mm_shuffle_epi8(table, _mm_unpacklo_epi8(lo, hi));   // columns c .. c+15
+          const __m128i second = _mm_shuffle_epi8(table, _mm_unpackhi_epi8(lo, hi));  // c+16 .. c+31
           store16(out + (c - col0), _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(first)), s));
           store16(out + (c - col0) + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(second)), s));
         }
@@ -176,7 +187,8 @@ void dequantize_on(const WeightMatrix& w, int64_t row0, int64_t rows, int64_t co
                    CpuIsa isa) {
   const int64_t col1 = col0 + cols;
   TORCH_INTERNAL_ASSERT(w.quantized() && row0 >= 0 && row0 + rows <= w.rows && col0 >= 0 && col1 <= w.cols &&
-                        col0 % kFp8Block == 0 && (col1 % kFp8Block == 0 || col1 == w.cols));
+                        (col0 % kFp8Block == 0 || (is_nibble_format(w.format) && col0 % w.group == 0)) &&
+                        (col1 % kFp8Block == 0 || col1 == w.cols || (is_nibble_format(w.format) && col1 % w.group == 0)));
   switch (isa) {
     case CpuIsa::kAvx512Bf16:
       if constexpr (std::is_same_v<T, uint16_t>) return dequantize_avx512_bf16(w, row0, rows, col0, col1, dst, ld);

@@ -20,8 +20,11 @@ struct Segment {
   int64_t end;
 };
 
+// The scale a kernel multiplies scale i's values by: float32 or bf16 as stored; for the fp4
+// formats the table's entry for the stored byte (half the scale, see nibble_values).
 inline float scale_at(const WeightMatrix& w, int64_t i) {
   const void* p = w.scale.const_data_ptr();
+  if (w.scale_table != nullptr) return w.scale_table[static_cast<const uint8_t*>(p)[i]];
   return w.scale.scalar_type() == at::kFloat ? static_cast<const float*>(p)[i]
                                              : simd::bf16_to_float(static_cast<const uint16_t*>(p)[i]);
 }
@@ -52,14 +55,16 @@ struct QuantView {
   int64_t scales_per_row;      // fp8: blocks per row of blocks; int4: groups per row
   int group_shift;             // int4: log2(group)
 
-  explicit QuantView(const WeightMatrix& w)
+  explicit QuantView(const WeightMatrix& w)  // fp8, int8, int4 (the fp4 formats' scales are bytes)
       : data(static_cast<const uint8_t*>(w.data.const_data_ptr())),
         row_stride(w.data.stride(0)),
         scale_f32(w.scale.scalar_type() == at::kFloat ? w.scale.const_data_ptr<float>() : nullptr),
         scale_bf16(w.scale.scalar_type() == at::kFloat ? nullptr
                                                        : static_cast<const uint16_t*>(w.scale.const_data_ptr())),
         scales_per_row(w.format == WeightFormat::kInt8 ? 1 : w.scale.size(1)),
-        group_shift(w.format == WeightFormat::kInt4 ? __builtin_ctzll(w.group) : 0) {}
+        group_shift(w.format == WeightFormat::kInt4 ? __builtin_ctzll(w.group) : 0) {
+    TORCH_INTERNAL_ASSERT(!is_fp4(w.format), "QuantView: fp4 scales are read through scale_at");
+  }
 
   const uint8_t* row(int64_t r) const { return data + r * row_stride; }
 

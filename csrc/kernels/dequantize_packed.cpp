@@ -12,20 +12,25 @@ namespace {
 using dequant::decode32_bf16;
 using dequant::QuantView;
 
-// ---- reference: dequantize_block's reference loop, one row at a time, scattered -------------
+// ---- reference: dequantize_block's loop, one row at a time, scattered -------------------------
+//
+// The portable path runs dequantize_block's reference loop; the fp4 formats, which have no
+// packed kernel yet, its AVX-512 kernel (the same bits) on the avx512_bf16 path.
 
-void rows_reference(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
+void rows_reference(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst,
+                    CpuIsa row_isa = CpuIsa::kPortable) {
   std::vector<uint16_t> row(l.in);
   for (int64_t o = 0; o < l.out; ++o) {
-    dequantize_block(w, n0 + o, 1, 0, l.in, row.data(), l.in, CpuIsa::kPortable);
+    dequantize_block(w, n0 + o, 1, 0, l.in, row.data(), l.in, row_isa);
     for (int64_t i = 0; i < l.in; ++i) dst[l.offset(o, i)] = row[i];
   }
 }
 
-void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, int64_t in0, uint16_t* dst) {
+void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, int64_t in0, uint16_t* dst,
+                    CpuIsa row_isa = CpuIsa::kPortable) {
   std::vector<uint16_t> row(l.out);
   for (int64_t n = 0; n < w.rows; ++n) {
-    dequantize_block(w, n, 1, k0, l.out, row.data(), l.out, CpuIsa::kPortable);
+    dequantize_block(w, n, 1, k0, l.out, row.data(), l.out, row_isa);
     for (int64_t o = 0; o < l.out; ++o) dst[l.offset(o, in0 + n)] = row[o];
   }
 }
@@ -330,7 +335,8 @@ void on_format(WeightFormat f, Args&&... args) {
   switch (f) {
     case WeightFormat::kFp8: return Kernel<WeightFormat::kFp8>::run(args...);
     case WeightFormat::kInt8: return Kernel<WeightFormat::kInt8>::run(args...);
-    default: return Kernel<WeightFormat::kInt4>::run(args...);
+    case WeightFormat::kInt4: return Kernel<WeightFormat::kInt4>::run(args...);
+    default: TORCH_INTERNAL_ASSERT(false, "no packed kernel for ", weight_format_name(f));
   }
 }
 
@@ -359,6 +365,7 @@ void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16L
   TORCH_INTERNAL_ASSERT(w.quantized() && layout.in == w.cols && n0 >= 0 && n0 + layout.out <= w.rows &&
                         n0 % 16 == 0 && layout.out_block % 16 == 0 && layout.in_block % 32 == 0);
   if (isa != CpuIsa::kAvx512Bf16) return rows_reference(w, n0, layout, dst);
+  if (is_fp4(w.format)) return rows_reference(w, n0, layout, dst, CpuIsa::kAvx512);
   on_format<Rows>(w.format, w, n0, layout, dst);
 }
 
@@ -369,6 +376,7 @@ void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16L
                         layout.out % 32 == 0 &&
                         layout.out_block % 16 == 0 && layout.in_block % 2 == 0);
   if (isa != CpuIsa::kAvx512Bf16) return cols_reference(w, k0, layout, in0, dst);
+  if (is_fp4(w.format)) return cols_reference(w, k0, layout, in0, dst, CpuIsa::kAvx512);
   on_format<Cols>(w.format, w, k0, layout, in0, dst);
 }
 

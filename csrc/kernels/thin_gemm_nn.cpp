@@ -276,7 +276,7 @@ at::Tensor thin_gemm_nn(const at::Tensor& d, const WeightMatrix& w, const std::o
   const float* dp = d32.const_data_ptr<float>();
   float* ap = acc.mutable_data_ptr<float>();
 
-  bool redo = isa == CpuIsa::kPortable;
+  bool redo = isa == CpuIsa::kPortable || is_fp4(w.format);  // fp4: no AVX2 kernel here yet
   if (!redo) {
     const at::Tensor start = w.format == WeightFormat::kFp8 ? acc.clone() : at::Tensor();
     if (!w.quantized()) {

@@ -27,9 +27,11 @@ struct LoraTensors {
   bool has_down() const { return down_a.has_value(); }
 };
 
-// The optional scales of quantized base weights (expert_weights.h), in schema order.
+// The optional scales of quantized base weights (expert_weights.h), in schema order, and
+// nvfp4's global scales (float32 [E], one per expert and projection).
 struct BaseScales {
   std::optional<at::Tensor> gate, up, down;
+  std::optional<at::Tensor> gate_global, up_global, down_global;
 };
 
 // The optional per-expert biases (gpt-oss's experts), in schema order: gate [E, I] and up
@@ -91,8 +93,9 @@ inline MoeArgs read_moe_args(const MoeCall& call) {
             call.optional_tensor("up_lora_a"),   call.optional_tensor("up_lora_b"),
             call.optional_tensor("down_lora_a"), call.optional_tensor("down_lora_b")};
   a.lora_scale = call.arg("lora_scale").toDouble();
-  a.scales = {call.optional_tensor("gate_scale"), call.optional_tensor("up_scale"),
-              call.optional_tensor("down_scale")};
+  a.scales = {call.optional_tensor("gate_scale"),        call.optional_tensor("up_scale"),
+              call.optional_tensor("down_scale"),        call.optional_tensor("gate_global_scale"),
+              call.optional_tensor("up_global_scale"), call.optional_tensor("down_global_scale")};
   a.swiglu_limit = call.optional_double("swiglu_limit");
   a.activation = call.arg("activation").toStringRef();
   a.swiglu_alpha = call.optional_double("swiglu_alpha");

@@ -51,11 +51,26 @@ void check_lora_pair(const char* proj, const std::optional<at::Tensor>& a,
 
 // Checks one base weight: dense ([E, out, in], hidden_states' dtype, no scale) or quantized
 // (see expert_weights.h for the layouts); returns its format.
-WeightFormat check_base_weight(const char* name, const char* scale_name, const at::Tensor& w,
-                               const std::optional<at::Tensor>& scale, const at::Tensor& hidden_states,
-                               const c10::SymInt& experts, const c10::SymInt& out, const c10::SymInt& in,
-                               const char* expected) {
-  const WeightFormat format = weight_format_of(w.scalar_type());
+WeightFormat check_base_weight(const char* name, const char* scale_name, const char* global_name, const at::Tensor& w,
+                               const std::optional<at::Tensor>& scale, const std::optional<at::Tensor>& global_scale,
+                               const at::Tensor& hidden_states, const c10::SymInt& experts, const c10::SymInt& out,
+                               const c10::SymInt& in, const char* expected) {
+  const WeightFormat format = weight_format_of(
+      w.scalar_type(), scale.has_value() ? std::optional<at::ScalarType>(scale->scalar_type()) : std::nullopt);
+  if (format != WeightFormat::kNvfp4) {
+    TORCH_CHECK_VALUE(!global_scale.has_value(), "kt.moe: ", global_name, " was given but ", name, " is ",
+                      weight_format_name(format), ": global scales go with nvfp4 weights (uint8 data with a ",
+                      "float8_e4m3fn scale)");
+  } else {
+    TORCH_CHECK_VALUE(global_scale.has_value(), "kt.moe: ", name, " is nvfp4 (uint8 with a float8_e4m3fn ", scale_name,
+                      ") so ", global_name, " must be given (float32 [E])");
+    TORCH_CHECK_TYPE(global_scale->scalar_type() == at::kFloat, "kt.moe: ", global_name, " must be float32, got ",
+                     global_scale->scalar_type());
+    TORCH_CHECK_VALUE(global_scale->dim() == 1 && global_scale->sym_size(0) == experts, "kt.moe: ", global_name,
+                      " must have shape [E] = [", experts, "], got ", global_scale->sym_sizes());
+    TORCH_CHECK(global_scale->device() == hidden_states.device(), "kt.moe: ", global_name,
+                " must be on the device of hidden_states (", hidden_states.device(), "), got ", global_scale->device());
+  }
   if (format == WeightFormat::kDense) {
     TORCH_CHECK_TYPE(w.scalar_type() == hidden_states.scalar_type(), "kt.moe: ", name,
                      " must have the dtype of hidden_states (", hidden_states.scalar_type(),
@@ -73,17 +88,30 @@ WeightFormat check_base_weight(const char* name, const char* scale_name, const a
   TORCH_CHECK(w.device() == hidden_states.device() && scale->device() == hidden_states.device(), "kt.moe: ", name,
               " and ", scale_name, " must be on the device of hidden_states (", hidden_states.device(), "), got ",
               w.device(), " and ", scale->device());
-  TORCH_CHECK_TYPE(scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16, "kt.moe: ",
-                   scale_name, " must be float32 or bfloat16, got ", scale->scalar_type());
-  const c10::SymInt stored_in = format == WeightFormat::kInt4 ? in / 2 : in;
-  if (format == WeightFormat::kInt4) {
-    TORCH_CHECK_VALUE(in % 2 == 0, "kt.moe: ", name, " is int4 (two values per byte) so its input size must be even, got ", in);
+  TORCH_CHECK_TYPE(is_fp4(format) || scale->scalar_type() == at::kFloat || scale->scalar_type() == at::kBFloat16,
+                   "kt.moe: ", scale_name, " must be float32 or bfloat16 (or, for uint8 weights, float8_e8m0fnu: ",
+                   "mxfp4, float8_e4m3fn: nvfp4), got ", scale->scalar_type());
+  const c10::SymInt stored_in = is_nibble_format(format) ? in / 2 : in;
+  if (is_nibble_format(format)) {
+    TORCH_CHECK_VALUE(in % 2 == 0, "kt.moe: ", name, " is ", fmt, " (two values per byte) so its input size must be even, got ", in);
   }
   TORCH_CHECK_VALUE(w.sym_size(0) == experts && w.sym_size(1) == out && w.sym_size(2) == stored_in, "kt.moe: ", name,
                     " (", fmt, ") must have shape [", experts, ", ", out, ", ", stored_in, "]",
-                    format == WeightFormat::kInt4 ? " (two int4 values per byte)" : "", ", got ", w.sym_sizes());
+                    format == WeightFormat::kInt4 ? " (two int4 values per byte)"
+                    : is_fp4(format)              ? " (two E2M1 values per byte)"
+                                                  : "",
+                    ", got ", w.sym_sizes());
   const auto& ss = scale->sym_sizes();
   switch (format) {
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kNvfp4: {
+      const int64_t group = format == WeightFormat::kMxfp4 ? 32 : 16;
+      TORCH_CHECK_VALUE(in % 32 == 0, "kt.moe: ", name, " is ", fmt, ": its input size must be a multiple of 32, got ", in);
+      TORCH_CHECK_VALUE(scale->dim() == 3 && ss[0] == experts && ss[1] == out && ss[2] * group == in, "kt.moe: ",
+                        scale_name, " (", fmt, ") must have shape [E, out, in / ", group, "] = [", experts, ", ", out,
+                        ", ", in / group, "], got ", ss);
+      break;
+    }
     case WeightFormat::kFp8: {
       const c10::SymInt ob = (out + (kFp8Block - 1)) / kFp8Block, ib = (in + (kFp8Block - 1)) / kFp8Block;
       TORCH_CHECK_VALUE(scale->dim() == 3 && ss[0] == experts && ss[1] == ob && ss[2] == ib, "kt.moe: ", scale_name,
@@ -170,9 +198,12 @@ MoeSizes check_moe_inputs(const MoeArgs& args) {
   const auto& E = sizes.experts;
   const auto& I = sizes.intermediate;
   const auto& H = sizes.hidden;
-  sizes.formats[0] = check_base_weight("gate_proj", "gate_scale", gate_proj, scales.gate, hidden_states, E, I, H, "[E, I, H]");
-  sizes.formats[1] = check_base_weight("up_proj", "up_scale", up_proj, scales.up, hidden_states, E, I, H, "[E, I, H]");
-  sizes.formats[2] = check_base_weight("down_proj", "down_scale", down_proj, scales.down, hidden_states, E, H, I, "[E, H, I]");
+  sizes.formats[0] = check_base_weight("gate_proj", "gate_scale", "gate_global_scale", gate_proj, scales.gate,
+                                       scales.gate_global, hidden_states, E, I, H, "[E, I, H]");
+  sizes.formats[1] = check_base_weight("up_proj", "up_scale", "up_global_scale", up_proj, scales.up, scales.up_global,
+                                       hidden_states, E, I, H, "[E, I, H]");
+  sizes.formats[2] = check_base_weight("down_proj", "down_scale", "down_global_scale", down_proj, scales.down,
+                                       scales.down_global, hidden_states, E, H, I, "[E, H, I]");
 
   std::optional<c10::SymInt> rank;
   check_lora_pair("gate", lora.gate_a, lora.gate_b, hidden_states, E, I, H, rank);

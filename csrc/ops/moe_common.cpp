@@ -34,9 +34,9 @@ MoeInputs flatten_moe_inputs(const MoeArgs& args) {
   in.x = plain(hidden_states).reshape({T, H});
   in.ids = plain(topk_ids).reshape({T, K});
   in.weights = plain(topk_weights).reshape({T, K}).to(accumulate_type(hidden_states.scalar_type()));
-  in.gate = expert_weights(args.gate_proj, scales.gate);
-  in.up = expert_weights(args.up_proj, scales.up);
-  in.down = expert_weights(args.down_proj, scales.down);
+  in.gate = expert_weights(args.gate_proj, scales.gate, scales.gate_global);
+  in.up = expert_weights(args.up_proj, scales.up, scales.up_global);
+  in.down = expert_weights(args.down_proj, scales.down, scales.down_global);
   in.lora = {plain(lora.gate_a), plain(lora.gate_b), plain(lora.up_a),
              plain(lora.up_b),   plain(lora.down_a), plain(lora.down_b)};
   in.scale = args.lora_scale;

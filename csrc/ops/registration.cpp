@@ -36,16 +36,21 @@ PyObject* PyInit__C(void) {
 // [E, H], in the dtype of hidden_states; last, for the same reason.
 #define KT_BIAS_ARGS "Tensor? gate_bias=None, Tensor? up_bias=None, Tensor? down_bias=None"
 
+// nvfp4's global scales (csrc/kernels/expert_weights.h): float32 [E], a weight being
+// e2m1 * scale * global; last, for the same reason.
+#define KT_GLOBAL_SCALE_ARGS \
+  "Tensor? gate_global_scale=None, Tensor? up_global_scale=None, Tensor? down_global_scale=None"
+
 TORCH_LIBRARY(kt, m) {
   // The public, differentiable op. CompositeImplicitAutograd: it calls moe_forward and
   // returns only the output; autograd lives on moe_forward.
-  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ") -> Tensor",
+  m.def("moe(" KT_MOE_ARGS ", " KT_SCALE_ARGS ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ", " KT_GLOBAL_SCALE_ARGS ") -> Tensor",
         {at::Tag::pt2_compliant_tag});
 
   // Forward that also returns what backward needs: the gate and up pre-activations
   // [2, T*K, I] in expert-sorted order (or [2, 0, I] when save_activations is false).
   m.def("moe_forward(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_GATING_ARGS
-        ", " KT_BIAS_ARGS ") -> (Tensor output, Tensor activations)",
+        ", " KT_BIAS_ARGS ", " KT_GLOBAL_SCALE_ARGS ") -> (Tensor output, Tensor activations)",
         {at::Tag::pt2_compliant_tag});
 
   // Gradients of moe_forward. output_mask has 11 entries, in the order
@@ -59,20 +64,20 @@ TORCH_LIBRARY(kt, m) {
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
-      ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ") -> Tensor[]",
+      ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ", " KT_GLOBAL_SCALE_ARGS ") -> Tensor[]",
       {at::Tag::pt2_compliant_tag});
 
   // The C++ CPU kernels of moe_forward / moe_backward. The CPU kernels registered for the
   // two ops above are thin Python wrappers (kt_ops/_kernels.py) that call these and, on
   // failure, tell the other ranks of a distributed job before raising (kt_ops/faults.py).
   m.def("_moe_forward_cpu(" KT_MOE_ARGS ", bool save_activations=False, " KT_SCALE_ARGS ", " KT_GATING_ARGS
-        ", " KT_BIAS_ARGS ") -> (Tensor output, Tensor activations)");
+        ", " KT_BIAS_ARGS ", " KT_GLOBAL_SCALE_ARGS ") -> (Tensor output, Tensor activations)");
   m.def(
       "_moe_backward_cpu(Tensor grad_output, Tensor hidden_states, Tensor topk_ids, Tensor topk_weights, "
       "Tensor activations, Tensor gate_proj, Tensor up_proj, Tensor down_proj, "
       "Tensor? gate_lora_a, Tensor? gate_lora_b, Tensor? up_lora_a, Tensor? up_lora_b, "
       "Tensor? down_lora_a, Tensor? down_lora_b, float lora_scale, bool[] output_mask, " KT_SCALE_ARGS
-      ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ") -> Tensor[]");
+      ", " KT_GATING_ARGS ", " KT_BIAS_ARGS ", " KT_GLOBAL_SCALE_ARGS ") -> Tensor[]");
 
   // Collectives over a torch.distributed process group (kernels and autograd:
   // kt_ops/collectives.py; fakes: meta_kernels/collectives.py). rank and world_size are

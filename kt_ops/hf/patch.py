@@ -26,7 +26,7 @@ from kt_ops.expert_init import draw_experts
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import (KTExperts, experts_support, gating_of, is_experts_module, kt_experts_class,
                                register_kt_experts)
-from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES, KTMoE
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _GLOBAL_SCALE_NAMES, _SCALE_NAMES, KTMoE
 from kt_ops.placement import resolve as resolve_placement
 
 
@@ -199,10 +199,11 @@ def _convert_experts(experts: nn.Module, *, lora_rank: int, lora_alpha: float, t
                 else:
                     # Parameters allocated for real (the layer was built on meta), then filled
                     # expert by expert from the model's weights wherever they live.
-                    meta_data, meta_scale = getattr(kt, name), getattr(kt, name.replace("proj", "scale"))
-                    setattr(kt, name, nn.Parameter(torch.empty_like(meta_data, device=cpu), requires_grad=False))
-                    setattr(kt, name.replace("proj", "scale"),
-                            nn.Parameter(torch.empty_like(meta_scale, device=cpu), requires_grad=False))
+                    # (nvfp4's global scale too).
+                    for held in (name, name.replace("proj", "scale"), name.replace("proj", "global_scale")):
+                        meta = getattr(kt, held, None)
+                        if meta is not None:
+                            setattr(kt, held, nn.Parameter(torch.empty_like(meta, device=cpu), requires_grad=False))
                     kt.set_quantized_weight(name, w)
             if lora_rank:
                 _init_lora(kt, cpu, lora_seed, on_meta)
@@ -231,7 +232,7 @@ def materialize_experts(kt: KTExperts, device: torch.device, scale_dtype: Option
     the format's default (for a loader copying scales that bf16 cannot hold exactly)."""
     with torch.no_grad():
         if kt.is_owner:
-            for name in _BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES:
+            for name in _BASE_NAMES + _SCALE_NAMES + _GLOBAL_SCALE_NAMES + _BIAS_NAMES:
                 p = getattr(kt, name, None)
                 if p is not None and p.device.type == "meta":
                     dtype = scale_dtype if scale_dtype is not None and name in _SCALE_NAMES else p.dtype

@@ -36,9 +36,9 @@ from kt_ops.distributed import create_process_groups, expert_parameter_names
 from kt_ops.hf import checkpoints
 from kt_ops.hf.adapters import save_adapter
 from kt_ops.hf.patch import patched_experts
-from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _SCALE_NAMES
+from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _GLOBAL_SCALE_NAMES, _SCALE_NAMES
 
-_BASE_AND_SCALES = set(_BASE_NAMES + _SCALE_NAMES + _BIAS_NAMES)  # the frozen base: weights, scales, biases
+_BASE_AND_SCALES = set(_BASE_NAMES + _SCALE_NAMES + _GLOBAL_SCALE_NAMES + _BIAS_NAMES)  # the frozen base: weights, scales, biases
 
 
 def _sharded(model) -> bool:
