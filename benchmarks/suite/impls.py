@@ -23,7 +23,8 @@ KT_MOE_DTYPES = {"kt.moe": torch.bfloat16, "kt.moe-fp32": torch.float32}
 # quantization.
 KT_MOE_FORMATS = {"kt.moe-fp8": ("fp8", None, torch.bfloat16), "kt.moe-int8": ("int8", None, torch.bfloat16),
                   "kt.moe-int4": ("int4", 32, torch.bfloat16), "kt.moe-fp8-fp32": ("fp8", None, torch.float32),
-                  "kt.moe-int4-fp32": ("int4", 32, torch.float32)}
+                  "kt.moe-int4-fp32": ("int4", 32, torch.float32), "kt.moe-mxfp4": ("mxfp4", None, torch.bfloat16),
+                  "kt.moe-nvfp4": ("nvfp4", None, torch.bfloat16)}
 
 
 def _trained(mode: str) -> tuple:
@@ -100,9 +101,12 @@ def _build_kt_quantized(name: str, mode: str, prob, cfg) -> Impl:
     lora = [prob[n].to(dtype).detach().requires_grad_(True) for n in LORA] if use_lora else [None] * 6
     ids, w = prob["topk_ids"], prob["topk_weights"].to(dtype)
 
+    # nvfp4's global scales (quantize's third result), by name
+    global_scales = {f"{n.replace('_proj', '')}_global_scale": weights[n][2] for n in BASE if len(weights[n]) == 3}
+
     def forward():
         return kt_ops.moe(x, ids, w, *(weights[n][0] for n in BASE), *lora, cfg.lora_scale,
-                          *(weights[n][1] for n in BASE))
+                          *(weights[n][1] for n in BASE), **global_scales)
 
     def reset():
         x.grad = None

@@ -50,21 +50,23 @@ inline const uint8_t* row_bytes(const WeightMatrix& w, int64_t row) {
 struct QuantView {
   const uint8_t* data;
   int64_t row_stride;          // bytes
-  const float* scale_f32;      // one of the two is set
+  const float* scale_f32;      // one of the three is set
   const uint16_t* scale_bf16;
-  int64_t scales_per_row;      // fp8: blocks per row of blocks; int4: groups per row
-  int group_shift;             // int4: log2(group)
+  const uint8_t* scale_bytes;  // fp4: looked up in scale_table
+  const float* scale_table;
+  int64_t scales_per_row;      // fp8: blocks per row of blocks; int4 / fp4: groups per row
+  int group_shift;             // int4 / fp4: log2(group)
 
-  explicit QuantView(const WeightMatrix& w)  // fp8, int8, int4 (the fp4 formats' scales are bytes)
+  explicit QuantView(const WeightMatrix& w)
       : data(static_cast<const uint8_t*>(w.data.const_data_ptr())),
         row_stride(w.data.stride(0)),
         scale_f32(w.scale.scalar_type() == at::kFloat ? w.scale.const_data_ptr<float>() : nullptr),
-        scale_bf16(w.scale.scalar_type() == at::kFloat ? nullptr
-                                                       : static_cast<const uint16_t*>(w.scale.const_data_ptr())),
+        scale_bf16(w.scale.scalar_type() == at::kBFloat16 ? static_cast<const uint16_t*>(w.scale.const_data_ptr())
+                                                          : nullptr),
+        scale_bytes(w.scale_table != nullptr ? static_cast<const uint8_t*>(w.scale.const_data_ptr()) : nullptr),
+        scale_table(w.scale_table),
         scales_per_row(w.format == WeightFormat::kInt8 ? 1 : w.scale.size(1)),
-        group_shift(w.format == WeightFormat::kInt4 ? __builtin_ctzll(w.group) : 0) {
-    TORCH_INTERNAL_ASSERT(!is_fp4(w.format), "QuantView: fp4 scales are read through scale_at");
-  }
+        group_shift(is_nibble_format(w.format) ? __builtin_ctzll(w.group) : 0) {}
 
   const uint8_t* row(int64_t r) const { return data + r * row_stride; }
 
@@ -76,10 +78,11 @@ struct QuantView {
                                       : r * scales_per_row + (c >> group_shift);
   }
 
-  // The scale of w[r, c] in format F.
+  // The scale of w[r, c] in format F (fp4: as the kernels multiply nibble_values by it).
   template <WeightFormat F>
   float scale(int64_t r, int64_t c) const {
     const int64_t i = scale_index<F>(r, c);
+    if constexpr (is_fp4(F)) return scale_table[scale_bytes[i]];
     return scale_f32 != nullptr ? scale_f32[i] : simd::bf16_to_float(scale_bf16[i]);
   }
 
@@ -87,6 +90,7 @@ struct QuantView {
   template <WeightFormat F>
   const char* scale_address(int64_t r, int64_t c) const {
     const int64_t i = scale_index<F>(r, c);
+    if constexpr (is_fp4(F)) return reinterpret_cast<const char*>(scale_bytes + i);
     return scale_f32 != nullptr ? reinterpret_cast<const char*>(scale_f32 + i)
                                 : reinterpret_cast<const char*>(scale_bf16 + i);
   }
@@ -154,6 +158,26 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes_bf16(__m256i bytes, __m512 s
         _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(bytes, 1))), s_hi);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   }
+}
+
+// Columns c .. c+31 of a row of a nibble format F (int4, mxfp4, nvfp4) as 32 bf16 values of
+// value · s: the 32 products of its nibble_values by the scales s_lo (columns c .. c+15) and
+// s_hi (c+16 .. c+31; the same but for nvfp4's groups of 16) in one table of 32 bf16, and one
+// vpermw. Word 2j of byte j widened to a dword, OR-ed with itself shifted by 12, holds byte j
+// (its low nibble and, above it, bits vpermw must not see), word 2j + 1 its high nibble:
+// masked to the nibble, plus 16 for the words of columns 16-31.
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 inline __m512i decode32_nibbles_bf16(const uint8_t* row, int64_t c, float s_lo, float s_hi) {
+  static_assert(is_fp4(F), "int4 takes decode32_bf16");
+  const __m512 values = _mm512_cvtepi32_ps(
+      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceValues))));
+  const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(s_hi)),
+                                                     _mm512_mul_ps(values, _mm512_set1_ps(s_lo)));
+  const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
+  const __m512i words = _mm512_or_si512(d, _mm512_slli_epi32(d, 12));
+  const __m512i upper = _mm512_mask_set1_epi16(_mm512_setzero_si512(), 0xFFFF0000u, 16);
+  // (words & 0xF) | upper
+  return _mm512_permutexvar_epi16(_mm512_ternarylogic_epi32(words, _mm512_set1_epi16(0xF), upper, 0xEA), table);
 }
 
 template <WeightFormat F>

@@ -12,25 +12,20 @@ namespace {
 using dequant::decode32_bf16;
 using dequant::QuantView;
 
-// ---- reference: dequantize_block's loop, one row at a time, scattered -------------------------
-//
-// The portable path runs dequantize_block's reference loop; the fp4 formats, which have no
-// packed kernel yet, its AVX-512 kernel (the same bits) on the avx512_bf16 path.
+// ---- reference: dequantize_block's reference loop, one row at a time, scattered -------------
 
-void rows_reference(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst,
-                    CpuIsa row_isa = CpuIsa::kPortable) {
+void rows_reference(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
   std::vector<uint16_t> row(l.in);
   for (int64_t o = 0; o < l.out; ++o) {
-    dequantize_block(w, n0 + o, 1, 0, l.in, row.data(), l.in, row_isa);
+    dequantize_block(w, n0 + o, 1, 0, l.in, row.data(), l.in, CpuIsa::kPortable);
     for (int64_t i = 0; i < l.in; ++i) dst[l.offset(o, i)] = row[i];
   }
 }
 
-void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, int64_t in0, uint16_t* dst,
-                    CpuIsa row_isa = CpuIsa::kPortable) {
+void cols_reference(const WeightMatrix& w, int64_t k0, const PackedBf16Layout& l, int64_t in0, uint16_t* dst) {
   std::vector<uint16_t> row(l.out);
   for (int64_t n = 0; n < w.rows; ++n) {
-    dequantize_block(w, n, 1, k0, l.out, row.data(), l.out, row_isa);
+    dequantize_block(w, n, 1, k0, l.out, row.data(), l.out, CpuIsa::kPortable);
     for (int64_t o = 0; o < l.out; ++o) dst[l.offset(o, in0 + n)] = row[o];
   }
 }
@@ -49,7 +44,7 @@ constexpr int64_t kPrefetchRows = 16;
 // Bytes of c columns of a row.
 template <WeightFormat F>
 constexpr int64_t column_bytes(int64_t c) {
-  return F == WeightFormat::kInt4 ? c / 2 : c;
+  return is_nibble_format(F) ? c / 2 : c;
 }
 
 // offset(o, i) of a layout as the sum of a part of o and a part of i, without the divisions in
@@ -137,13 +132,25 @@ KT_TARGET_AVX512 inline void transpose16x16_epi32(__m512i r[16]) {
   }
 }
 
-// int4 tiles of 16 rows by 32 columns (one group), decoded a row at a time (the lookup table
-// is the row's: decode32_bf16): each row's 32 columns are 16 column pairs (dwords); the
-// transpose puts pair j of the 16 rows side by side, 64 contiguous bytes of the layout.
+// 32 columns of a row of a nibble format, c a multiple of 32: int4 by one scale (its groups
+// are 32 or more), fp4 by the scales of its two halves (nvfp4's groups are 16).
+template <WeightFormat F>
+KT_TARGET_AVX512_BF16 inline __m512i decode32_nibble_row(const QuantView& q, int64_t row, int64_t c) {
+  if constexpr (F == WeightFormat::kInt4) {
+    return decode32_bf16<F>(q.row(row), c, q.scale<F>(row, c));
+  } else {
+    return dequant::decode32_nibbles_bf16<F>(q.row(row), c, q.scale<F>(row, c), q.scale<F>(row, c + 16));
+  }
+}
+
+// int4 / fp4 tiles of 16 rows by 32 columns (one group, or two of nvfp4's), decoded a row at a
+// time (the lookup table is the row's: decode32_bf16): each row's 32 columns are 16 column
+// pairs (dwords); the transpose puts pair j of the 16 rows side by side, 64 contiguous bytes
+// of the layout.
 template <WeightFormat F>
 KT_TARGET_AVX512_BF16 void rows_values_first_avx512_bf16(const WeightMatrix& w, int64_t n0,
                                                          const PackedBf16Layout& l, uint16_t* dst) {
-  static_assert(F == WeightFormat::kInt4, "fp8 and int8 take rows_bytes_first_avx512_bf16");
+  static_assert(is_nibble_format(F), "fp8 and int8 take rows_bytes_first_avx512_bf16");
   const QuantView q(w);
   const OutPart out_part(l);
   const InPart in_part(l);
@@ -153,7 +160,7 @@ KT_TARGET_AVX512_BF16 void rows_values_first_avx512_bf16(const WeightMatrix& w, 
       prefetch_tile_ahead<F>(q, w.rows, n0 + o0, i0, l.in);
       for (int r = 0; r < 16; ++r) {
         const int64_t row = n0 + o0 + r;
-        t[r] = decode32_bf16<F>(q.row(row), i0, q.scale<F>(row, i0));
+        t[r] = decode32_nibble_row<F>(q, row, i0);
       }
       transpose16x16_epi32(t);
       uint16_t* tile = dst + out_part(o0) + in_part(i0);  // pair j of the tile: out_block pairs further on
@@ -296,8 +303,12 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
   const __m512i second = _mm512_add_epi16(first, _mm512_set1_epi16(16));
   const QuantView q(w);
   const int64_t k1 = k0 + l.out;
-  // Columns per scale: an fp8 block, an int4 group (at least 32), int8's whole row.
-  const int64_t run = F == WeightFormat::kFp8 ? kFp8Block : F == WeightFormat::kInt8 ? l.out : w.group;
+  // Columns per scale: an fp8 block, an int4 / mxfp4 group (at least 32), int8's whole row;
+  // nvfp4's groups of 16 are read two at a time (decode32_nibble_row).
+  const int64_t run = F == WeightFormat::kFp8    ? kFp8Block
+                      : F == WeightFormat::kInt8  ? l.out
+                      : F == WeightFormat::kNvfp4 ? 32
+                                                  : w.group;
   const int64_t segment_bytes = column_bytes<F>(l.out);
   const OutPart out_part(l);
   Fp8BandTables tables(k0, F == WeightFormat::kFp8 ? k1 : k0);  // rows n and n + 1 share their band
@@ -311,7 +322,7 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
         _mm_prefetch(reinterpret_cast<const char*>(next + off), _MM_HINT_T1);
         _mm_prefetch(reinterpret_cast<const char*>(next + q.row_stride + off), _MM_HINT_T1);
       }
-      if constexpr (F == WeightFormat::kInt4) {  // a row's scales of the segment: one line at most, mostly
+      if constexpr (is_nibble_format(F)) {  // a row's scales of the segment: one line at most, mostly
         _mm_prefetch(q.scale_address<F>(n + kPrefetchRows, k0), _MM_HINT_T0);
         _mm_prefetch(q.scale_address<F>(n + kPrefetchRows + 1, k0), _MM_HINT_T0);
       }
@@ -322,7 +333,14 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
       dequant::Fp8Table table{};
       if constexpr (F == WeightFormat::kFp8) table = tables.at(c0);
       for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {
-        const __m512i va = decode32<F>(a, c, sa, table), vb = decode32<F>(b, c, sb, table);
+        __m512i va, vb;
+        if constexpr (is_fp4(F)) {
+          va = decode32_nibble_row<F>(q, n, c);
+          vb = decode32_nibble_row<F>(q, n + 1, c);
+        } else {
+          va = decode32<F>(a, c, sa, table);
+          vb = decode32<F>(b, c, sb, table);
+        }
         _mm512_storeu_si512(pair_dst + out_part(c - k0), _mm512_permutex2var_epi16(va, first, vb));
         _mm512_storeu_si512(pair_dst + out_part(c - k0 + 16), _mm512_permutex2var_epi16(va, second, vb));
       }
@@ -336,6 +354,8 @@ void on_format(WeightFormat f, Args&&... args) {
     case WeightFormat::kFp8: return Kernel<WeightFormat::kFp8>::run(args...);
     case WeightFormat::kInt8: return Kernel<WeightFormat::kInt8>::run(args...);
     case WeightFormat::kInt4: return Kernel<WeightFormat::kInt4>::run(args...);
+    case WeightFormat::kMxfp4: return Kernel<WeightFormat::kMxfp4>::run(args...);
+    case WeightFormat::kNvfp4: return Kernel<WeightFormat::kNvfp4>::run(args...);
     default: TORCH_INTERNAL_ASSERT(false, "no packed kernel for ", weight_format_name(f));
   }
 }
@@ -343,7 +363,7 @@ void on_format(WeightFormat f, Args&&... args) {
 template <WeightFormat F>
 struct Rows {
   static void run(const WeightMatrix& w, int64_t n0, const PackedBf16Layout& l, uint16_t* dst) {
-    if constexpr (F == WeightFormat::kInt4) {
+    if constexpr (is_nibble_format(F)) {
       rows_values_first_avx512_bf16<F>(w, n0, l, dst);
     } else {
       rows_bytes_first_avx512_bf16<F>(w, n0, l, dst);
@@ -365,7 +385,6 @@ void dequantize_packed_rows(const WeightMatrix& w, int64_t n0, const PackedBf16L
   TORCH_INTERNAL_ASSERT(w.quantized() && layout.in == w.cols && n0 >= 0 && n0 + layout.out <= w.rows &&
                         n0 % 16 == 0 && layout.out_block % 16 == 0 && layout.in_block % 32 == 0);
   if (isa != CpuIsa::kAvx512Bf16) return rows_reference(w, n0, layout, dst);
-  if (is_fp4(w.format)) return rows_reference(w, n0, layout, dst, CpuIsa::kAvx512);
   on_format<Rows>(w.format, w, n0, layout, dst);
 }
 
@@ -376,7 +395,6 @@ void dequantize_packed_cols(const WeightMatrix& w, int64_t k0, const PackedBf16L
                         layout.out % 32 == 0 &&
                         layout.out_block % 16 == 0 && layout.in_block % 2 == 0);
   if (isa != CpuIsa::kAvx512Bf16) return cols_reference(w, k0, layout, in0, dst);
-  if (is_fp4(w.format)) return cols_reference(w, k0, layout, in0, dst, CpuIsa::kAvx512);
   on_format<Cols>(w.format, w, k0, layout, in0, dst);
 }
 

@@ -33,8 +33,6 @@ WeightFormat weight_format_of(at::ScalarType weight_dtype, std::optional<at::Sca
 namespace {
 
 constexpr int8_t kInt4Values[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
-// 2 * E2M1: codes 0-7 are +0, 0.5, 1, 1.5, 2, 3, 4, 6; 8-15 the same negated (-0 as 0).
-constexpr int8_t kE2m1TwiceValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // mxfp4's table: 2^(e - 127) / 2 for each E8M0 byte e (255 is NaN).
 const std::array<float, 256>& mxfp4_scale_table() {

@@ -33,9 +33,12 @@ enum class WeightFormat : int { kDense = 0, kFp8 = 1, kInt8 = 2, kInt4 = 3, kMxf
 
 constexpr int64_t kFp8Block = 128;
 
-inline bool is_fp4(WeightFormat f) { return f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4; }
+constexpr bool is_fp4(WeightFormat f) { return f == WeightFormat::kMxfp4 || f == WeightFormat::kNvfp4; }
 // Two 4-bit values per byte: int4, mxfp4, nvfp4.
-inline bool is_nibble_format(WeightFormat f) { return f == WeightFormat::kInt4 || is_fp4(f); }
+constexpr bool is_nibble_format(WeightFormat f) { return f == WeightFormat::kInt4 || is_fp4(f); }
+
+// 2 * E2M1 by code: the fp4 formats' nibble_values.
+constexpr int8_t kE2m1TwiceValues[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // The 16 values of a nibble format's codes, as the kernels multiply them by the scale:
 // int4 q - 8; fp4 2 * e2m1 (the scale halved to match, see WeightMatrix::scale_table).

@@ -49,47 +49,6 @@ void gemv_reference(const float* x, int64_t M, const WeightMatrix& w, float* out
   }
 }
 
-// ---- fp4: each weight row dequantized by dequantize_block's kernel, then dotted -------------
-//
-// The 4-bit float formats have no fused GEMV yet: a row (a few KiB, L1-resident) is decoded
-// by the path's dequantize kernel and dotted with every x row.
-
-KT_TARGET_AVX2 float dot_avx2(const float* a, const float* b, int64_t n) {
-  __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= n; k += 16) {
-    acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), acc0);
-    acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), acc1);
-  }
-  float acc = simd::hsum8(_mm256_add_ps(acc0, acc1));
-  for (; k < n; ++k) acc += a[k] * b[k];
-  return acc;
-}
-
-KT_TARGET_AVX512 float dot_avx512(const float* a, const float* b, int64_t n) {
-  __m512 acc0 = _mm512_setzero_ps(), acc1 = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 32 <= n; k += 32) {
-    acc0 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k), _mm512_loadu_ps(b + k), acc0);
-    acc1 = _mm512_fmadd_ps(_mm512_loadu_ps(a + k + 16), _mm512_loadu_ps(b + k + 16), acc1);
-  }
-  float acc = _mm512_reduce_add_ps(_mm512_add_ps(acc0, acc1));
-  for (; k < n; ++k) acc += a[k] * b[k];
-  return acc;
-}
-
-void gemv_fp4(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, float* out) {
-  std::vector<float> row(w.cols);
-  const bool avx512 = isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16;
-  for (int64_t r = 0; r < w.rows; ++r) {
-    dequantize_rows(w, r, 1, row.data(), w.cols, isa);
-    for (int64_t m = 0; m < M; ++m) {
-      const float* xm = x + m * w.cols;
-      out[m * w.rows + r] = avx512 ? dot_avx512(xm, row.data(), w.cols) : dot_avx2(xm, row.data(), w.cols);
-    }
-  }
-}
-
 // ---- decoders: consecutive columns -> vectors of 8 floats in column order ---------------------
 
 // fp8, 16 columns: sign-extending a byte to 16 bits and shifting it left by 7 puts the sign at
@@ -338,7 +297,7 @@ struct Avx2Kernels {
 
 void run_gemv(const float* x, int64_t M, const WeightMatrix& w, CpuIsa isa, float* out) {
   if (isa == CpuIsa::kPortable) return gemv_reference(x, M, w, out);
-  if (is_fp4(w.format)) return gemv_fp4(x, M, w, isa, out);
+  if (is_fp4(w.format)) return qgemv::gemv_fp4(x, M, w, isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16, out);
   const bool avx512 = isa == CpuIsa::kAvx512 || isa == CpuIsa::kAvx512Bf16;
   qgemv::for_row_chunks(M, [&](int64_t m0, auto rows) {
     constexpr int R = decltype(rows)::value;

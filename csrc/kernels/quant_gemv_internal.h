@@ -352,6 +352,10 @@ void for_row_chunks(int64_t M, const Fn& fn) {
 template <int M>
 void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
 
+// out = x·wᵀ for M rows of x (float32 [M, K]) on an mxfp4 / nvfp4 weight (K a multiple of 32),
+// on the AVX-512 kernel or the AVX2 one (quant_gemv_fp4.cpp).
+void gemv_fp4(const float* x, int64_t M, const WeightMatrix& w, bool avx512, float* out);
+
 // out = x·wᵀ for M rows of x (float32 holding bf16 values, [M, K]) on an int4 or int8 weight,
 // through AVX2 integer dot products on x as 16-bit block floating point (quant_gemv_int16.cpp).
 // False, out untouched, where x holds a NaN, an inf or a group too small for its exponents:
