@@ -382,7 +382,7 @@ def _fp8_group(**changes):
      r"config_groups\.g\.input_activations\.dynamic is False"),
     (_fp8_group(weights={"strategy": "group", "group_size": 128}), r"config_groups\.g\.weights\.strategy is 'group'"),
     (_fp8_group(weights={"block_structure": [64, 64]}), r"block_structure is \[64, 64\]"),
-    (_fp8_group(weights={"num_bits": 4}), r"config_groups\.g\.weights\.num_bits is 4"),
+    (_fp8_group(weights={"num_bits": 4}), r"config_groups\.g\.weights\.strategy is 'block'; kt_ops reads NVFP4"),
     ({**samples.int4_config(), "config_groups": {**samples.int4_config()["config_groups"],
       **_fp8_group()["config_groups"]}}, r"mix weight kinds \{'fp8': \['g'\], 'int4': \['group_0'\]\}"),
     ({**samples.compressed_int8_config(), "config_groups": {"g": {
@@ -421,11 +421,9 @@ def _covered_families():
 
 # Covered families (patch_model) whose hub layout kt_ops' loader refuses, by name, with the
 # transformers conversion it does not replay: ERNIE-4.5-VL stores text and vision experts in one
-# per-expert list that transformers splits by index.
-LOADER_REFUSES = {"ernie4_5_vl_moe": "ErnieFuseAndSplitTextVisionExperts",
-                  # transposed (and gpt-oss: interleaved, biased) experts: from_pretrained + patch_model loads them
-                  "aria": "AriaExperts\\) holds its experts transposed;",
-                  "gpt_oss": "GptOssExperts\\) holds its experts transposed, with gate/up interleaved, with biases;"}
+# per-expert list that transformers splits by index. (Transposed, interleaved and biased experts,
+# Aria's and gpt-oss's, load: kt_ops.hf.expert_layout.)
+LOADER_REFUSES = {"ernie4_5_vl_moe": "ErnieFuseAndSplitTextVisionExperts"}
 
 
 @pytest.mark.parametrize("family", _covered_families(), ids=lambda f: f.name)

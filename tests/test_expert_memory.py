@@ -137,7 +137,11 @@ def test_cli_reads_a_config_json_and_a_checkpoint_directory(tmp_path, capsys):
         int4 = params // 2 + params // 32 * 2  # half a byte a weight, a bf16 scale per 32
         assert cells[6] == f"{int4 / 1e6:,.2f} MB ({int4 / (params * 2):.3f}x)"
         assert cells[7] == "n/a (groups of 128 do not divide H, I)"  # I = 64
-        assert cells[8] == f"{params * 2 // 3 / 1e6:,.2f} MB"  # one layer's bf16 experts
+        mxfp4 = params // 2 + params // 32  # an E8M0 byte per 32
+        nvfp4 = params // 2 + params // 16 + 3 * 8 * 3 * 4  # an E4M3 byte per 16, a float32 per expert matrix
+        assert cells[8] == f"{mxfp4 / 1e6:,.2f} MB ({mxfp4 / (params * 2):.3f}x)"
+        assert cells[9] == f"{nvfp4 / 1e6:,.2f} MB ({nvfp4 / (params * 2):.3f}x)"
+        assert cells[10] == f"{params * 2 // 3 / 1e6:,.2f} MB"  # one layer's bf16 experts
     assert len(lines) == 4
 
 

@@ -1,6 +1,6 @@
 """How a shipped checkpoint stores a weight matrix, and how to turn it into kt_ops' forms.
 
-Six storage forms, told apart by the config's ``quantization_config`` and the tensor names:
+Storage forms, told apart by the config's ``quantization_config`` and the tensor names:
 
 ============================  ======================================  ====================================
 checkpoint                    tensors of one ``X.weight``             kt_ops form
@@ -28,8 +28,17 @@ gptq``, ``sym``, no           ``X.qzeros`` int32 ``[in/g, out/8]``      (``q`` w
 GPTQ-Int4)                    ``X.g_idx`` int32 ``[in]``                scales exactly, as float32
 ============================  ======================================  ====================================
 
+and the FP4 checkpoints (gpt-oss MXFP4, compressed-tensors and ModelOpt NVFP4, DeepSeek-V4's FP4
+experts in an FP8 checkpoint: ``"mxfp4"`` and ``"nvfp4"`` as is), tabled in
+:mod:`kt_ops.hf.fp4_checkpoints`. DeepSeek-V4-Flash's FP8 checkpoint names a scale ``X.scale``
+(transformers renames it ``X.weight_scale_inv``), stores it in E8M0 (``scale_fmt: ue8m0``: exact in
+float32) and its experts' weights as int8 holding two E2M1 codes per byte (``expert_dtype: fp4``,
+an E8M0 scale per 32 input columns: ``"mxfp4"``).
+
 Only weight quantization is read: kt_ops computes activations in the model's dtype (a
-checkpoint's dynamic activation quantization is left out; static activation scales are refused).
+checkpoint's dynamic activation quantization is left out; static activation scales are refused,
+but for NVFP4's activation global scale and an FP8 KV cache's scales, which FP4 checkpoints carry
+beside their weights: see fp4_checkpoints).
 """
 from __future__ import annotations
 
@@ -40,33 +49,54 @@ import torch
 from torch import Tensor
 
 from kt_ops import quantization
+from kt_ops.hf import fp4_checkpoints
 
 # Tensor-name suffixes that belong to a quantized ``X.weight``, per (method, quant_method). A
 # "value_scale" is the scale of a weight stored as float8 or int8 values in ``X.weight``; every
-# scale is the multiplier (weight = q * scale), whatever DeepSeek's "_inv" suggests.
+# scale is the multiplier (weight = q * scale), whatever DeepSeek's "_inv" suggests, but for
+# compressed-tensors' NVFP4 "global_scale_inv" (weight_global_scale: a divisor).
 _ROLE_SUFFIXES = {
-    ("fp8", "fp8"): ((".weight_scale_inv", "value_scale"),),
+    # DeepSeek-V4-Flash names the scales ``X.scale`` (transformers renames them to weight_scale_inv)
+    ("fp8", "fp8"): ((".weight_scale_inv", "value_scale"), (".scale", "value_scale")),
     ("fp8", "compressed-tensors"): ((".weight_scale", "value_scale"), (".weight_zero_point", "zero_point")),
     ("int8", "compressed-tensors"): ((".weight_scale", "value_scale"), (".weight_zero_point", "zero_point")),
     ("int4", "compressed-tensors"): ((".weight_packed", "packed"), (".weight_scale", "group_scale"),
                                      (".weight_shape", "shape"), (".weight_zero_point", "zero_point")),
     ("int4", "gptq"): ((".qweight", "qweight"), (".qzeros", "qzeros"), (".scales", "gptq_scales"),
                        (".g_idx", "g_idx")),
+    ("nvfp4", "compressed-tensors"): ((".weight_packed", "fp4_packed"), (".weight_scale", "fp4_scale"),
+                                      (".weight_global_scale", "global_scale_inv"),
+                                      (".weight_zero_point", "zero_point")),
+    ("nvfp4", "modelopt"): ((".weight_scale_2", "global_scale"), (".weight_scale", "fp4_scale")),
 }
+# Parameters named like a scale that are none (transformers' FP8 loader leaves them alone too).
+_NOT_SCALES = ("_l2_clip.scale",)
+# gpt-oss names its experts' MXFP4 tensors after the fused parameter (``experts.gate_up_proj_blocks``),
+# not after a ``.weight``: the weight they belong to is the parameter itself.
+_PARAM_ROLE_SUFFIXES = {("mxfp4", "mxfp4"): (("_blocks", "mx_blocks"), ("_scales", "mx_scales"))}
+# Tensors of an FP4 checkpoint kt_ops has no use for (see fp4_checkpoints): NVFP4's activation
+# global scale; with a quantized KV cache, its scales.
+_UNUSED_SUFFIXES = {("nvfp4", "compressed-tensors"): (".input_global_scale",),
+                    ("nvfp4", "modelopt"): (".input_scale",)}
+_KV_CACHE_SUFFIXES = (".k_scale", ".v_scale")
 
 # GPTQ's stored zero point of symmetric 4-bit weights (2^3 = 8): its original checkpoint format
 # stores zero - 1, "gptq_v2" the zero itself.
 _GPTQ_STORED_ZERO = {"gptq": 7, "gptq_v2": 8}
+# Formats storing two 4-bit values per byte along the input columns.
+_PACKED_4BIT = ("int4", "mxfp4", "nvfp4")
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointQuantization:
     """What ``config.quantization_config`` says about the stored weights (``method`` None:
     plain float tensors)."""
-    method: Optional[str] = None      # None, "fp8", "int8" or "int4"
+    method: Optional[str] = None      # None, "fp8", "int8", "int4", "mxfp4" or "nvfp4"
     group_size: Optional[int] = None  # int4's input columns per scale
-    quant_method: Optional[str] = None  # the config's: "fp8", "compressed-tensors" or "gptq" (how tensors are named)
+    # the config's: "fp8", "compressed-tensors", "gptq", "mxfp4" or "modelopt" (how tensors are named)
+    quant_method: Optional[str] = None
     gptq_stored_zero: Optional[int] = None  # what a GPTQ checkpoint's qzeros hold for symmetric weights
+    kv_cache_quantized: bool = False  # its k_scale / v_scale tensors are left out
 
     @classmethod
     def from_config(cls, quantization_config) -> "CheckpointQuantization":
@@ -86,9 +116,16 @@ class CheckpointQuantization:
             if qc.get("activation_scheme", "dynamic") != "dynamic":
                 raise ValueError(f"quantization_config.activation_scheme is {qc.get('activation_scheme')!r}; kt_ops "
                                  "is weight-only and reads FP8 checkpoints with dynamic activation scales")
+            for field, values in (("scale_fmt", ("float", "ue8m0")), ("expert_dtype", ("fp8", "fp4"))):
+                if qc.get(field, values[0]) not in values:
+                    raise ValueError(f"quantization_config.{field} is {qc.get(field)!r}; kt_ops reads FP8 checkpoints "
+                                     f"with {field} in {values}")
             return cls("fp8", quant_method="fp8")
         if method == "compressed-tensors":
             kind = _compressed_tensors_kind(qc)
+            if kind == "nvfp4":
+                fp4_checkpoints.check_compressed_tensors_nvfp4(qc)
+                return cls("nvfp4", quant_method=method, kv_cache_quantized=bool(qc.get("kv_cache_scheme")))
             if kind in _COMPRESSED_8BIT:
                 _check_compressed_tensors_8bit(qc, kind)
                 return cls(kind, quant_method=method)
@@ -96,9 +133,15 @@ class CheckpointQuantization:
         if method == "gptq":
             return cls("int4", _gptq_group_size(qc), quant_method=method,
                        gptq_stored_zero=_GPTQ_STORED_ZERO[qc.get("checkpoint_format", "gptq")])
+        if method == "mxfp4":
+            fp4_checkpoints.check_gpt_oss(qc)
+            return cls("mxfp4", quant_method=method)
+        if isinstance(method, str) and method.startswith("modelopt"):  # vLLM also knows "modelopt_fp4"
+            return cls("nvfp4", quant_method="modelopt", kv_cache_quantized=fp4_checkpoints.check_modelopt(qc))
         raise ValueError(f"quantization_config.quant_method is {method!r}; kt_ops reads float checkpoints, "
                          "'fp8' (128x128 block scales), 'compressed-tensors' (pack-quantized INT4, "
-                         "float-quantized FP8) and 'gptq' (symmetric INT4)")
+                         "float-quantized FP8, NVFP4), 'gptq' (symmetric INT4), 'mxfp4' (gpt-oss) and "
+                         "'modelopt' (NVFP4)")
 
     def scale_key(self, weight_key: str) -> str:
         """The name of the scale tensor of an FP8 or INT8 ``X.weight``, as this checkpoint names it."""
@@ -109,20 +152,41 @@ class CheckpointQuantization:
         """``(the key of the weight it belongs to, role)``: ``"value"`` for a weight (or any
         other tensor), else the quantization tensor's role (``value_scale``, ``packed``, ...)."""
         for suffix, role in _ROLE_SUFFIXES.get((self.method, self.quant_method), ()):
-            if key.endswith(suffix):
+            if key.endswith(suffix) and not key.endswith(_NOT_SCALES):
                 return key[: -len(suffix)] + ".weight", role
+        for suffix, role in _PARAM_ROLE_SUFFIXES.get((self.method, self.quant_method), ()):
+            if key.endswith(suffix):
+                return key[: -len(suffix)], role
         return key, "value"
+
+    @property
+    def int8_is_fp4(self) -> bool:
+        """Whether int8 weights hold two E2M1 codes per byte: in DeepSeek's FP8 checkpoints
+        (``quant_method: fp8``) they do (DeepSeek-V4's ``expert_dtype: fp4`` experts, read as
+        transformers' FP8 loader reads any int8 weight there)."""
+        return self.quant_method == "fp8"
+
+    def unused(self, key: str) -> bool:
+        """Whether a stored tensor is one kt_ops leaves out (never read): NVFP4's activation
+        global scales, a quantized KV cache's scales."""
+        suffixes = _UNUSED_SUFFIXES.get((self.method, self.quant_method), ())
+        if self.kv_cache_quantized:
+            suffixes += _KV_CACHE_SUFFIXES
+        return key.endswith(suffixes) if suffixes else False
 
 
 def _compressed_tensors_kind(qc: dict) -> str:
-    """"fp8" when every config group quantizes weights to 8-bit floats, "int8" to 8-bit ints,
-    else "int4" (then checked field by field by _compressed_tensors_group_size); ValueError
-    naming the groups of a mix."""
+    """"fp8" when every config group quantizes weights to 8-bit floats, "nvfp4" to 4-bit floats,
+    "int8" to 8-bit ints, else "int4" (each then checked field by field); ValueError naming the
+    groups of a mix."""
     groups = qc.get("config_groups") or {}
     kinds = {}
     for name, g in groups.items():
         w = g.get("weights") or {}
-        kinds[name] = "fp8" if w.get("type") == "float" else "int8" if w.get("num_bits") == 8 else "int4"
+        if w.get("type") == "float":
+            kinds[name] = "nvfp4" if w.get("num_bits") == 4 else "fp8"
+        else:
+            kinds[name] = "int8" if w.get("num_bits") == 8 else "int4"
     if len(set(kinds.values())) > 1:
         by_kind = {k: [n for n, v in kinds.items() if v == k] for k in sorted(set(kinds.values()))}
         raise ValueError(f"quantization_config.config_groups mix weight kinds {by_kind}; kt_ops reads one of them")
@@ -220,18 +284,31 @@ def _compressed_tensors_group_size(qc: dict) -> int:
 @dataclasses.dataclass
 class StoredMatrix:
     """One ``[out, in]`` weight as the checkpoint stores it: ``fmt`` None (a float tensor in
-    ``data``), ``"fp8"``, ``"int8"`` or ``"int4"`` (``data`` in kt_ops' layout of that format, ``scale``),
-    or ``"fp8_rows"`` (float8_e4m3fn ``data`` with one scale per output row, ``scale [out]``:
-    no kt_ops format holds it as is)."""
+    ``data``), ``"fp8"``, ``"int8"``, ``"int4"``, ``"mxfp4"`` or ``"nvfp4"`` (``data`` in kt_ops' layout
+    of that format, ``scale``; nvfp4's ``global_scale`` a float32 scalar), or ``"fp8_rows"``
+    (float8_e4m3fn ``data`` with one scale per output row, ``scale [out]``: no kt_ops format holds
+    it as is)."""
     data: Tensor
     fmt: Optional[str] = None
     scale: Optional[Tensor] = None
+    global_scale: Optional[Tensor] = None
 
     @classmethod
-    def from_parts(cls, parts: dict[str, Tensor], name: str, gptq_stored_zero: Optional[int] = None) -> "StoredMatrix":
-        """From the tensors of one weight, by role (see :meth:`CheckpointQuantization.split_role`)."""
+    def from_parts(cls, parts: dict[str, Tensor], name: str, gptq_stored_zero: Optional[int] = None,
+                   int8_is_fp4: bool = False) -> "StoredMatrix":
+        """From the tensors of one weight, by role (see :meth:`CheckpointQuantization.split_role`;
+        ``int8_is_fp4``: its :attr:`~CheckpointQuantization.int8_is_fp4`)."""
         if "qweight" in parts:
             return cls._gptq(parts, name, gptq_stored_zero)
+        if "mx_blocks" in parts:
+            data, scale = fp4_checkpoints.mxfp4_from_blocks(parts["mx_blocks"], parts["mx_scales"], name)
+            return cls(data, "mxfp4", scale)
+        if "fp4_scale" in parts:  # NVFP4: compressed-tensors' weight_packed, or ModelOpt's uint8 weight
+            packed = parts["fp4_packed"] if "fp4_packed" in parts else parts["value"]
+            data, scale, global_scale = fp4_checkpoints.nvfp4_parts(
+                packed, parts["fp4_scale"], name, global_scale=parts.get("global_scale"),
+                global_scale_inv=parts.get("global_scale_inv"))
+            return cls(data, "nvfp4", scale, global_scale)
         if "packed" in parts:
             packed, scale = parts["packed"], parts["group_scale"]
             if packed.dtype != torch.int32 or packed.dim() != 2:
@@ -246,6 +323,12 @@ class StoredMatrix:
         data = parts["value"]
         if data.dtype == torch.float8_e4m3fn:
             return cls._fp8(data, parts["value_scale"])
+        if data.dtype == torch.int8 and int8_is_fp4:  # DeepSeek-V4's experts: E2M1 pairs, E8M0 per 32 columns
+            scale = parts["value_scale"]
+            if scale.dtype not in (torch.uint8, torch.float8_e8m0fnu):
+                raise ValueError(f"{name}: FP4 (int8-packed) with {scale.dtype} scales; kt_ops reads them with E8M0 "
+                                 "(ue8m0) scales, one per 32 input columns: mxfp4")
+            return cls(data.view(torch.uint8), "mxfp4", scale.contiguous().view(torch.float8_e8m0fnu))
         if data.dtype == torch.int8:  # one scale per output row ([out, 1]) or for the tensor ([1]: every row's)
             scale = parts["value_scale"]
             scale = scale.reshape(1).expand(data.shape[0]) if scale.numel() == 1 else scale.reshape(-1)
@@ -289,6 +372,8 @@ class StoredMatrix:
         stays "fp8" for check() to name."""
         out, inp = data.shape
         grid = quantization.fp8_scale_grid(out, inp)
+        if scale.dtype in (torch.uint8, torch.float8_e8m0fnu):  # scale_fmt "ue8m0": powers of two, exact in float32
+            scale = scale.contiguous().view(torch.float8_e8m0fnu).float()
         if tuple(scale.shape) == grid:
             return cls(data, "fp8", scale)
         if scale.numel() == 1:
@@ -300,7 +385,20 @@ class StoredMatrix:
     @property
     def shape(self) -> tuple[int, int]:
         out, stored_in = self.data.shape
-        return out, 2 * stored_in if self.fmt == "int4" else stored_in
+        return out, 2 * stored_in if self.fmt in _PACKED_4BIT else stored_in
+
+    def rows(self, index) -> "StoredMatrix":
+        """The output rows ``index`` (a slice) of this weight: its data and per-row scales (FP8
+        blocks, whose scales span 128 rows, as float values)."""
+        if self.fmt is None:
+            return StoredMatrix(self.data[index])
+        if self.fmt == "fp8":
+            return StoredMatrix(self.to_float()[index])
+        return StoredMatrix(self.data[index], self.fmt, self.scale[index], self.global_scale)
+
+    def transposed(self) -> "StoredMatrix":
+        """The ``[in, out]`` transpose, as float values (a quantized layout is not transposed)."""
+        return StoredMatrix((self.data if self.fmt is None else self.to_float()).t())
 
     @property
     def group_size(self) -> Optional[int]:
@@ -312,7 +410,8 @@ class StoredMatrix:
             return self.data
         if self.fmt == "fp8_rows":  # each float8 value (exact in float32) times its row's scale, rounded once
             return self.data.float() * self.scale.float()[:, None]
-        return quantization.dequantize(self.data.unsqueeze(0), self.scale.unsqueeze(0))[0]
+        global_scale = None if self.global_scale is None else self.global_scale.reshape(1)  # nvfp4's
+        return quantization.dequantize(self.data.unsqueeze(0), self.scale.unsqueeze(0), global_scale)[0]
 
     def check(self, name: str, scale_name: Optional[str] = None) -> None:
         """ValueError naming the scale tensor (``scale_name``, else ``name`` + ``_scale``)
@@ -320,6 +419,9 @@ class StoredMatrix:
         if self.fmt is None:
             return
         out, inp = self.shape
+        if self.fmt in fp4_checkpoints.FP4_FORMATS:
+            fp4_checkpoints.check_scale(self.fmt, self.scale, out, inp, scale_name or name + "_scale")
+            return
         if self.fmt == "fp8":
             want = quantization.fp8_scale_grid(out, inp)
             what = "one per 128x128 block, one per output row [out, 1] or one for the tensor [1]"

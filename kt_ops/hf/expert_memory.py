@@ -28,7 +28,7 @@ from kt_ops.hf.experts import is_experts_module
 
 # (label, expert_format, group_size): the table's columns after bf16.
 FORMAT_COLUMNS = (("fp8", "fp8", None), ("int8", "int8", None), ("int4 g=32", "int4", 32),
-                  ("int4 g=128", "int4", 128))
+                  ("int4 g=128", "int4", 128), ("mxfp4", "mxfp4", None), ("nvfp4", "nvfp4", None))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,6 +141,9 @@ def memory_table(configs: dict, shards: int = 1) -> str:
         for _, fmt, group in FORMAT_COLUMNS:
             if fmt == "int4" and any(l.hidden_size % group or l.intermediate_size % group for l in layers):
                 cells.append(f"n/a (groups of {group} do not divide H, I)")  # patch_model refuses it too
+                continue
+            if fmt in quantization.FP4_FORMATS and any(l.hidden_size % 32 or l.intermediate_size % 32 for l in layers):
+                cells.append("n/a (H, I not multiples of 32)")  # patch_model refuses it too (size_problem)
                 continue
             nbytes = sum(l.nbytes(fmt, group, shards) for l in layers)
             cells.append(f"{_size(nbytes)} ({nbytes / bf16:.3f}x)")

@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from kt_ops import quantization
+from kt_ops.hf import fp4_checkpoints
 from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import is_experts_module
@@ -46,7 +47,8 @@ _FLOAT_NAMES = ("F64", "F32", "BF16", "F16")
 @dataclasses.dataclass
 class _ExpertSlot:
     """Where a stored expert tensor goes: ``proj`` of experts module ``path``, expert ``expert``
-    (None: a fused tensor holding every expert; ``proj == "gate_up_proj"``: both halves)."""
+    (None: a fused tensor holding every expert; ``proj == "gate_up_proj"``: both halves;
+    ``"gate_up_proj_bias"`` / ``"down_proj_bias"``: the fused biases of experts with biases)."""
     path: str
     proj: str
     expert: Optional[int]
@@ -118,10 +120,16 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
     INT8 (W8A8: one scale per output channel or per tensor) and pack-quantized symmetric INT4
     (Kimi-K2-Thinking), their activation quantization left out (kt_ops is weight-only); and
     GPTQ's symmetric INT4 without ``desc_act`` (Qwen3's GPTQ-Int4: the same 4-bit values
-    repacked, its fp16 scales held exactly as float32). The routed experts end in
+    repacked, its fp16 scales held exactly as float32); gpt-oss's MXFP4 experts
+    (``quant_method: "mxfp4"``), compressed-tensors' NVFP4 (``nvfp4-pack-quantized``) and
+    ModelOpt's NVFP4 (``quant_method: "modelopt"``, or its ``hf_quant_config.json``), their
+    activation scales left out (:mod:`kt_ops.hf.fp4_checkpoints`). Experts in transformers'
+    other layouts (gpt-oss's and Aria's: transposed, gate/up interleaved, with biases) are read
+    into kt's. The routed experts end in
     ``expert_format``: copied as stored when the checkpoint holds that format (FP8 blocks, or
     a tensor's one scale, as ``"fp8"``; INT8 as ``"int8"``; INT4 as ``"int4"`` with the
-    checkpoint's group size, the default then), else dequantized and cast to ``dtype``
+    checkpoint's group size, the default then; MXFP4 as ``"mxfp4"``; NVFP4 as ``"nvfp4"``,
+    with its global scale), else dequantized and cast to ``dtype``
     (``expert_format=None``) or requantized (per-channel FP8 has no kt_ops format of its own:
     ``"fp8"`` requantizes it into blocks). Quantized non-expert weights are dequantized to
     ``dtype``.
@@ -157,7 +165,8 @@ def from_pretrained(path: Union[str, os.PathLike], *, lora_rank: int = 0, lora_a
         raise ValueError(f"from_pretrained: path must be a local checkpoint directory, got {path!r}")
     files = shard_files(path)
     config = AutoConfig.from_pretrained(path)
-    stored = CheckpointQuantization.from_config(getattr(config, "quantization_config", None))
+    stored = CheckpointQuantization.from_config(getattr(config, "quantization_config", None)
+                                                or fp4_checkpoints.hf_quant_config(path))
     if hasattr(config, "quantization_config"):
         del config.quantization_config  # the model is built unquantized; kt_ops holds the experts' format
     # Parsed once (and passed down as is); int4's default group size is the checkpoint's own
@@ -257,9 +266,13 @@ class _Plan:
         self.prefix = model.base_model_prefix
         self.meta_state = model.state_dict()
         self.experts_paths = [n for n, m in model.named_modules() if is_experts_module(m)]
-        for path in self.experts_paths:
-            _check_layout(path, model.get_submodule(path))
-        self.expert_shapes = {n: tuple(model.get_submodule(n).gate_up_proj.shape) for n in self.experts_paths}
+        # transformers' layout of each experts module (transposed, interleaved, with biases); the
+        # shapes below are kt's: gate_up [E, 2I, H]
+        self.layouts = {n: ExpertsLayout.of(model.get_submodule(n)) for n in self.experts_paths}
+        self.expert_shapes = {}
+        for n, layout in self.layouts.items():
+            E, I, H = layout.sizes(model.get_submodule(n).gate_up_proj)
+            self.expert_shapes[n] = (E, 2 * I, H)
         self.num_experts = {n: shape[0] for n, shape in self.expert_shapes.items()}
         self.tied = dict(getattr(model, "all_tied_weights_keys", None) or {})
         self.ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
@@ -282,6 +295,8 @@ class _Plan:
         weights: dict[tuple, _Weight] = {}
         unexpected = []
         for ref in refs:
+            if self.stored.unused(ref.key):  # an FP4 checkpoint's activation / KV-cache scales
+                continue
             base, role = self.stored.split_role(ref.key)
             target, slot, converter, pattern = self._target_of(base)
             if slot is None and target not in self.meta_state:
@@ -317,10 +332,14 @@ class _Plan:
         converter = None if pattern is None else next(
             c for c in self.converters if pattern in c.source_patterns and c.compiled_sources.search(renamed))
         path, _, leaf = target.rpartition(".")
-        if path not in self.num_experts or leaf not in ("gate_up_proj", "down_proj"):
+        if path not in self.num_experts or leaf not in ("gate_up_proj", "down_proj") + _BIAS_LEAVES:
             return target, None, converter, pattern
-        if pattern is None:  # stored fused, as the model holds it
-            return target, _ExpertSlot(path, leaf, None), None, None
+        if pattern is None:  # stored fused, as the model holds it (transposed: relative to kt's layout)
+            transpose = "always" if self.layouts[path].transposed else None
+            return target, _ExpertSlot(path, leaf, None, transpose), None, None
+        if leaf in _BIAS_LEAVES:
+            raise ValueError(f"checkpoint: {key}: transformers builds {target} from it with a conversion; kt_ops reads "
+                             "expert biases stored fused, as the model holds them")
         ops = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
         op = converter.operations[0]
         if (len(ops) == 1 and ops[0][0] == "Transpose" and (op.dim0, op.dim1) in ((1, 2), (2, 1))
@@ -353,10 +372,15 @@ class _Plan:
             if "value" in parts:
                 raise ValueError(f"checkpoint: {name} is stored both packed and as {parts['value'].key}")
             expected = ("packed", "group_scale", "shape")
+        elif set(parts) & set(_FP4_ROLES):
+            expected = self._check_fp4_parts(weight, name, parts)
         else:
             if "value" not in parts:
                 raise ValueError(f"checkpoint: {_names([r.key for r in parts.values()])} without the weight {name}")
             stored_as = {"F8_E4M3": "float8_e4m3fn", "I8": "int8"}.get(parts["value"].dtype)  # values with a scale
+            if self.stored.quant_method == "modelopt" and parts["value"].dtype == "U8":
+                raise ValueError(f"checkpoint: {name} is uint8 (packed NVFP4) without {name}_scale and "
+                                 f"{name}_scale_2")
             if stored_as and "value_scale" not in parts:
                 raise ValueError(f"checkpoint: {name} is {stored_as} without {self.stored.scale_key(name)} "
                                  "(kt_ops reads FP8 and INT8 weights with their scales)")
@@ -367,7 +391,7 @@ class _Plan:
         extra = [r.key for role, r in parts.items() if role not in expected]
         if extra:
             raise ValueError(f"checkpoint: {_names(extra)}: not read with {name}")
-        got = _logical_shape(parts)
+        got = _logical_shape(parts, self.stored.int8_is_fp4)
         if weight.converter is not None:
             return  # transformers' ops make the target: its shape is checked once they have
         if weight.slot is None:
@@ -376,16 +400,51 @@ class _Plan:
             slot = weight.slot
             E, two_i, H = self.expert_shapes[slot.path]
             I = two_i // 2
-            want = {"gate_up_proj": (E, two_i, H), "down_proj": (E, H, I)}[slot.proj] if slot.expert is None \
+            want = {"gate_up_proj": (E, two_i, H), "down_proj": (E, H, I), "gate_up_proj_bias": (E, two_i),
+                    "down_proj_bias": (E, H)}[slot.proj] if slot.expert is None \
                 else ((H, I) if slot.proj == "down_proj" else (I, H))
             what = f"{slot.path}'s {slot.proj}" + ("" if slot.expert is None else " of one expert")
             if slot.expert is not None and not 0 <= slot.expert < E:
                 raise ValueError(f"checkpoint: {name}: expert {slot.expert}, but {slot.path} has {E} experts")
             swapped = (got[0], got[2], got[1]) if len(got) == 3 else got
-            if slot.transpose == "always" or (slot.transpose == "if_needed" and got != want and swapped == want):
+            stored_as_model = "value" in parts and slot.proj not in _BIAS_LEAVES  # MXFP4 blocks are [E, out, ...]
+            if stored_as_model and (slot.transpose == "always" or (slot.transpose == "if_needed" and got != want
+                                                                   and swapped == want)):
                 slot.transposed, got = True, swapped
         if got != want:
             raise ValueError(f"checkpoint: {name} has shape {list(got)}; {what} is {list(want)}")
+
+    def _check_fp4_parts(self, weight: _Weight, name: str, parts: dict) -> tuple:
+        """The roles an FP4 weight is stored with (ValueError naming what is missing):
+        gpt-oss's fused MXFP4 blocks and scales, or an NVFP4 weight's packed codes, scales and
+        global scale."""
+        if "mx_blocks" in parts or "mx_scales" in parts:
+            present = parts.get("mx_blocks") or parts.get("mx_scales")
+            if weight.slot is None or weight.slot.expert is not None:
+                raise ValueError(f"checkpoint: {present.key}: kt_ops reads MXFP4 blocks of fused experts "
+                                 "(gpt-oss's experts.gate_up_proj_blocks / down_proj_blocks)")
+            for role, suffix in (("mx_blocks", "_blocks"), ("mx_scales", "_scales")):
+                if role not in parts:
+                    raise ValueError(f"checkpoint: {present.key} has no {name}{suffix}")
+            blocks, scales = parts["mx_blocks"], parts["mx_scales"]
+            if len(blocks.shape) != 4 or blocks.shape[-1] != fp4_checkpoints.MXFP4_GROUP // 2 \
+                    or tuple(scales.shape) != tuple(blocks.shape[:-1]):
+                raise ValueError(f"checkpoint: {blocks.key} {list(blocks.shape)} and {scales.key} "
+                                 f"{list(scales.shape)}: expected [E, out, in/32, 16] and [E, out, in/32]")
+            return ("mx_blocks", "mx_scales")
+        packed_role, global_role, global_suffix = (
+            ("fp4_packed", "global_scale_inv", "_global_scale") if self.stored.quant_method == "compressed-tensors"
+            else ("value", "global_scale", "_scale_2"))
+        expected = (packed_role, "fp4_scale", global_role)
+        present = next(parts[r] for r in expected + tuple(_FP4_ROLES) if r in parts)
+        for role, suffix in zip(expected, ("_packed" if packed_role == "fp4_packed" else "", "_scale", global_suffix)):
+            if role not in parts:
+                raise ValueError(f"checkpoint: {present.key} has no {name}{suffix} (kt_ops reads NVFP4 weights "
+                                 "with their codes, scales and global scale)")
+        if parts[packed_role].dtype != "U8":
+            raise ValueError(f"checkpoint: {parts[packed_role].key} is {parts[packed_role].dtype}; an NVFP4 "
+                             "weight's codes are uint8 (two per byte)")
+        return expected
 
     def _check_complete(self, weights: dict) -> None:
         missing = []
@@ -397,6 +456,8 @@ class _Plan:
             if target not in filled and not (target in self.tied and self.tied[target] in filled):
                 missing.append(target)
         for path, E in self.num_experts.items():
+            if self.layouts[path].has_bias:  # fused, as the model holds them
+                missing += [f"{path}.{leaf}" for leaf in _BIAS_LEAVES if (path, leaf, None) not in weights]
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 fused = (path, "gate_up_proj" if proj != "down_proj" else "down_proj", None)
                 if fused in weights:
@@ -410,24 +471,24 @@ class _Plan:
             raise ValueError(f"checkpoint: {len(missing)} weight(s) of the model missing: {_names(missing)}")
 
 
-def _check_layout(path: str, experts: nn.Module) -> None:
-    """ValueError for experts in a layout other than kt's (transposed, interleaved or with
-    biases: gpt-oss, Aria): this loader writes checkpoint tensors into kt's layout as they are;
-    transformers' from_pretrained + patch_model converts those (kt_ops.hf.expert_layout)."""
-    layout = ExpertsLayout.of(experts)
-    if layout == ExpertsLayout():
-        return
-    held = [what for what, flag in (("transposed", layout.transposed), ("with gate/up interleaved", layout.interleaved),
-                                    ("with biases", layout.has_bias)) if flag]
-    raise ValueError(f"checkpoint: {path} ({type(experts).__name__}) holds its experts {', '.join(held)}; kt_ops reads "
-                     "experts stored in its own layout only (gate|up concatenated, not transposed, no biases): load "
-                     "this model with transformers' from_pretrained(...) and call kt_ops.patch_model(model, ...)")
+_BIAS_LEAVES = ("gate_up_proj_bias", "down_proj_bias")
+# The roles of FP4 tensors (fp4_checkpoints): gpt-oss's MXFP4 blocks, NVFP4's codes and scales.
+_FP4_ROLES = ("mx_blocks", "mx_scales", "fp4_packed", "fp4_scale", "global_scale", "global_scale_inv")
 
 
-def _logical_shape(parts: dict) -> tuple:
+def _logical_shape(parts: dict, int8_is_fp4: bool = False) -> tuple:
     if "qweight" in parts:  # GPTQ: [in/8, out]
         words, out = parts["qweight"].shape
         return (out, 8 * words)
+    if "mx_blocks" in parts:  # gpt-oss: [E, out, in/32, 16]
+        E, out, groups, half = parts["mx_blocks"].shape
+        return (E, out, 2 * groups * half)
+    if "fp4_scale" in parts:  # NVFP4 codes, two per byte: [out, in/2]
+        packed = parts.get("fp4_packed") or parts["value"]
+        return (*packed.shape[:-1], 2 * packed.shape[-1])
+    if int8_is_fp4 and parts["value"].dtype == "I8":  # DeepSeek-V4's FP4 experts: [out, in/2]
+        *lead, half = parts["value"].shape
+        return (*lead, 2 * half)
     if "packed" in parts:
         out, words = parts["packed"].shape
         return (out, 8 * words)
@@ -477,10 +538,14 @@ class _Loader:
     def _stored(self, weight: _Weight, index: Optional[int] = None, expert: bool = False,
                 name: Optional[str] = None) -> StoredMatrix:
         name = name or weight.name
-        parts = {role: self._read(ref, index if role == "value" else None, expert)
-                 for role, ref in weight.sources[name].items()}
-        matrix = StoredMatrix.from_parts(parts, name, self.plan.stored.gptq_stored_zero)
-        matrix.check(name, self.plan.stored.scale_key(name) if "value_scale" in parts else None)
+        refs = weight.sources[name]
+        # a fused expert tensor's every part holds all experts: one expert's is read
+        parts = {role: self._read(ref, index, expert) for role, ref in refs.items()}
+        matrix = StoredMatrix.from_parts(parts, name, self.plan.stored.gptq_stored_zero, self.plan.stored.int8_is_fp4)
+        scale_ref = next((refs[r] for r in ("value_scale", "fp4_scale", "mx_scales") if r in refs), None)
+        scale_name = scale_ref and scale_ref.key
+        matrix.check(name if index is None else f"{name}[{index}]",
+                     scale_name if index is None or scale_name is None else f"{scale_name}[{index}]")
         return matrix
 
     def _value(self, weight: _Weight, name: str) -> torch.Tensor:
@@ -515,22 +580,33 @@ class _Loader:
     def _load_expert(self, weight: _Weight) -> None:
         slot = weight.slot
         kt = self.experts[slot.path]
-        I = kt.intermediate_size
         first = kt.expert_range.start  # the experts of this rank's shard sit at e - first
         if slot.expert is not None:
             self._write(kt, slot.proj, slot.expert - first, self._stored(weight, expert=True), weight.name)
             return
-        ref = weight.parts["value"]  # its shape was checked from the header (_Plan._check_parts)
+        # Fused (its shapes were checked from the headers: _Plan._check_parts), in the model's
+        # layout: gate and up rows concatenated or interleaved.
+        layout = self.plan.layouts[slot.path]
+        I = kt.intermediate_size
+        gate, up = (slice(0, None, 2), slice(1, None, 2)) if layout.interleaved else (slice(0, I), slice(I, None))
         for e in kt.expert_range:  # one expert at a time: a fused tensor is never read whole
-            m = self._stored(weight, index=e, expert=True).data
+            name = f"{weight.name}[{e}]"
+            if slot.proj in _BIAS_LEAVES:
+                bias = self._read(weight.parts["value"], e, expert=True)
+                targets = {"gate_bias": bias[gate], "up_bias": bias[up]} if slot.proj == "gate_up_proj_bias" \
+                    else {"down_bias": bias}
+                with torch.no_grad():
+                    for target, value in targets.items():
+                        getattr(kt, target)[e - first].copy_(value)
+                continue
+            m = self._stored(weight, index=e, expert=True)
             if slot.transposed:
-                m = m.t()
-            name = f"{ref.key}[{e}]"
+                m = m.transposed()
             if slot.proj == "gate_up_proj":
-                self._write(kt, "gate_proj", e - first, StoredMatrix(m[:I]), name)
-                self._write(kt, "up_proj", e - first, StoredMatrix(m[I:]), name)
+                self._write(kt, "gate_proj", e - first, m.rows(gate), name)
+                self._write(kt, "up_proj", e - first, m.rows(up), name)
             else:
-                self._write(kt, "down_proj", e - first, StoredMatrix(m), name)
+                self._write(kt, "down_proj", e - first, m, name)
 
     @staticmethod
     def _write(kt, proj: str, e: int, matrix: StoredMatrix, name: str) -> None:
@@ -540,15 +616,20 @@ class _Loader:
                 data[e].copy_(matrix.to_float())
                 return
             scale = getattr(kt, proj.replace("proj", "scale"))
+            global_scale = getattr(kt, proj.replace("proj", "global_scale"), None)  # nvfp4's, per expert
             if matrix.fmt == kt.expert_format and matrix.scale.shape == scale.shape[1:]:
                 data[e].copy_(matrix.data)  # stored in kt's own format: copied as is
                 scale[e].copy_(matrix.scale)
+                if global_scale is not None:
+                    global_scale[e].copy_(matrix.global_scale)
                 return
             # Through the model's dtype first, as from_pretrained(dtype) + patch_model would quantize it.
-            q, s = quantization.quantize(matrix.to_float().to(kt.expert_dtype).unsqueeze(0), kt.expert_format, kt.group_size,
-                                         scale_dtype=scale.dtype, name=name)
-            data[e].copy_(q[0])
-            scale[e].copy_(s[0])
+            quantized = quantization.quantize(matrix.to_float().to(kt.expert_dtype).unsqueeze(0), kt.expert_format,
+                                              kt.group_size, scale_dtype=scale.dtype, name=name)
+            data[e].copy_(quantized[0][0])
+            scale[e].copy_(quantized[1][0])
+            if global_scale is not None:
+                global_scale[e].copy_(quantized[2][0])
 
 
 def _move_buffers(model: nn.Module, device: torch.device) -> None:
