@@ -396,10 +396,13 @@ at::Tensor quant_gemv_nt(const at::Tensor& x, const WeightMatrix& w, CpuIsa isa)
   if (x.scalar_type() == at::kFloat && x.stride(1) == 1 && x.stride(0) == K) {
     run_gemv(x.const_data_ptr<float>(), M, w, isa, out.mutable_data_ptr<float>());
   } else if (x.scalar_type() == at::kBFloat16 && x.stride(1) == 1 && isa == CpuIsa::kAvx512Bf16 &&
-             (w.format == WeightFormat::kInt4 || (w.format == WeightFormat::kFp8 && cpu_has_avx512_vbmi()))) {
+             (w.format == WeightFormat::kInt4 || is_fp4(w.format) ||
+              (w.format == WeightFormat::kFp8 && cpu_has_avx512_vbmi()))) {
     AlignedFloats of(M * R);  // x as it is: vdpbf16ps on bf16 pairs (quant_gemv_internal.h)
     const uint16_t* xb = static_cast<const uint16_t*>(x.const_data_ptr());
-    if (w.format == WeightFormat::kInt4) {
+    if (is_fp4(w.format)) {
+      qgemv::gemv_fp4_bf16(xb, x.stride(0), M, w, of.data());
+    } else if (w.format == WeightFormat::kInt4) {
       const bool vnni = K % 128 == 0 && cpu_has_avx512_vnni() && qgemv::gemv_int4_vnni(xb, x.stride(0), M, w, of.data());
       if (!vnni) qgemv::gemv_int4_bf16(xb, x.stride(0), M, w, of.data());
     } else {

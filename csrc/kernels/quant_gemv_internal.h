@@ -356,6 +356,11 @@ void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
 // on the AVX-512 kernel or the AVX2 one (quant_gemv_fp4.cpp).
 void gemv_fp4(const float* x, int64_t M, const WeightMatrix& w, bool avx512, float* out);
 
+// out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an mxfp4 / nvfp4 weight, on AVX512-BF16
+// (quant_gemv_fp4.cpp): each code looked up as the exact bf16 of its value, vdpbf16ps, each
+// group's sums times its scale; out [M, R] float32.
+void gemv_fp4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out);
+
 // out = x·wᵀ for M rows of x (float32 holding bf16 values, [M, K]) on an int4 or int8 weight,
 // through AVX2 integer dot products on x as 16-bit block floating point (quant_gemv_int16.cpp).
 // False, out untouched, where x holds a NaN, an inf or a group too small for its exponents:
