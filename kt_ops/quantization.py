@@ -209,7 +209,7 @@ def pack_int4(values: Tensor) -> Tensor:
 def e2m1_codes(x: Tensor) -> Tensor:
     """The E2M1 codes (uint8, 0..15) nearest to float32 ``x`` (ties to the even code,
     saturating at ±6; -0.0 keeps its sign)."""
-    mag = x.abs()
+    mag = x.abs().contiguous()
     midpoints = torch.tensor(_E2M1_MIDPOINTS, dtype=x.dtype, device=x.device)
     code = torch.bucketize(mag, midpoints)  # a tie rounds down to the code below ...
     tie = (code < len(_E2M1_MIDPOINTS)) & (mag == midpoints[code.clamp(max=len(_E2M1_MIDPOINTS) - 1)])

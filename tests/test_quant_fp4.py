@@ -223,6 +223,27 @@ def test_decode_gemv_against_float64(isa, fmt, rows, dtype):
     assert rel_err(got, want) < (1e-5 if dtype == f32 else 1e-2)
 
 
+@pytest.mark.parametrize("isa", ALL_ISAS)
+@FP4
+@pytest.mark.parametrize("dtype", [f32, bf16], ids=["fp32", "bf16"])
+def test_decode_gemv_on_every_scale_byte(isa, fmt, dtype):
+    """Every scale byte (mxfp4's 2^-127 and NaN, up to 2^73, beyond which float32 sums overflow
+    in an order-dependent way; nvfp4's subnormal, negative and NaN E4M3 ones): outputs where the
+    float64 product is finite match it, and NaN outputs are where it has them (the kernels
+    decode scales 16 at a time)."""
+    data, scale = raw_fp4(fmt, 160, 512, seed=9)
+    if fmt == "mxfp4":
+        raw = scale.view(torch.uint8)
+        scale = torch.where((raw > 200) & (raw < 255), raw - 60, raw).view(scale.dtype)
+    x = randn(3, 512, seed=10).to(dtype)
+    got = torch.ops.kt._quant_gemv_nt(x, data, scale, isa).double()
+    want = x.double() @ fp4_dequantize(data, scale).double().t()
+    finite = want.isfinite()
+    assert finite.float().mean() > 0.3 and (~finite).any()
+    assert torch.equal(got.isnan(), want.isnan()) and torch.equal(got[want.isinf()], want[want.isinf()])
+    assert rel_err(got[finite], want[finite]) < (1e-5 if dtype == f32 else 1e-2)
+
+
 # ---- kt.moe -------------------------------------------------------------------------------------
 
 

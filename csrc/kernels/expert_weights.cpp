@@ -60,6 +60,7 @@ WeightMatrix ExpertWeights::expert(int64_t e) const {
   if (format == WeightFormat::kNvfp4) {
     // (E4M3 scale * global) / 2, computed as the reference does: the product first, in float32.
     const float global = global_scale.const_data_ptr<float>()[e];
+    w.global_scale = global;
     w.scale_table_owner = at::empty({256}, at::kFloat);
     float* t = w.scale_table_owner.mutable_data_ptr<float>();
     for (int b = 0; b < 256; ++b) t[b] = fp8_e4m3_to_float(static_cast<uint8_t>(b)) * global * 0.5f;

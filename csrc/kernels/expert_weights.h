@@ -61,6 +61,7 @@ struct WeightMatrix {
   // (the true scale, times the expert's global scale for nvfp4, times 1/2: nibble_values).
   const float* scale_table = nullptr;
   at::Tensor scale_table_owner;  // nvfp4: the expert's table
+  float global_scale = 1.f;      // nvfp4: the expert's global scale
 
   bool quantized() const { return format != WeightFormat::kDense; }
 };

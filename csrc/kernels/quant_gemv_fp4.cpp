@@ -9,6 +9,10 @@
 // AVX512-BF16 takes vdpbf16ps on looked-up bf16 values instead (fp4_gemv_bf16).
 #include <algorithm>
 
+#include <cmath>
+
+#include "kernels/dequantize.h"
+#include "kernels/dequantize_internal.h"
 #include "kernels/quant_gemv_internal.h"
 #include "platform/simd.h"
 #include "platform/x86_intrinsics.h"
@@ -103,10 +107,11 @@ KT_TARGET_AVX512 void fp4_gemv_avx512(const float* x, const WeightMatrix& w, flo
 
 // bf16 x on AVX512-BF16, as the int4 kernel (quant_gemv_avx512.cpp) takes it: x reordered
 // once per call into each 128 columns' four classes mod 4 (columns_mod4), so that the four
-// nibbles of each 16-bit word of a row's 64 bytes, masked out in place, index the 16 bf16
-// values (2 · e2m1, exact) with one vpermw per 32 columns; vdpbf16ps multiplies them with x
+// nibbles of each 16-bit word of a row's 64 bytes, shifted into place, index the 16 bf16
+// values of e2m1 (exact) with one vpermw per 32 columns (it reads 5 bits: the table repeats); vdpbf16ps multiplies them with x
 // exactly and sums in float32, lane i holding columns 8i .. 8i+7 of the step, and each lane's
-// sum is scaled by its group's scale (step_lane_scales; nvfp4's groups of 16: two lanes each).
+// sum is scaled by its group's true scale (fp4_row_scales, once per row, vectorized;
+// fp4_lane_scales: nvfp4's groups of 16 two lanes each).
 // The columns after the last whole 128 go 32 at a time against x as it is (the word trick of
 // decode32_bf16 puts each pair in column order).
 constexpr int64_t kStep = 128;
@@ -122,6 +127,32 @@ KT_TARGET_AVX512_BF16 void bf16_x_classes(const uint16_t* x, int64_t ldx, int64_
       columns_mod4(words, cls);
       for (int k = 0; k < 4; ++k) _mm512_storeu_si512(xp + (m * steps + b) * kStep + 32 * k, cls[k]);
     }
+  }
+}
+
+// The true scales of a row's groups (not scale_table's halves: this kernel looks up the e2m1
+// values themselves), 16 at a time: mxfp4's E8M0 byte e is the float32 of exponent bits e
+// (e = 0: 2^-127, a denormal; 255: NaN); nvfp4's E4M3 byte through fp16 (value / 2^8,
+// exactly) times 2^8 · global, which rounds as (value · global) does.
+template <WeightFormat F>
+KT_TARGET_AVX512 void fp4_row_scales(const uint8_t* bytes, int64_t groups, float global, float* dst) {
+  int64_t g = 0;
+  for (; g + 16 <= groups; g += 16) {
+    if constexpr (F == WeightFormat::kMxfp4) {
+      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + g)));
+      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+      v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
+      v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
+      _mm512_storeu_ps(dst + g, v);
+    } else {
+      const __m512 v = _mm512_cvtph_ps(dequant::fp8x16_as_fp16(bytes + g));
+      _mm512_storeu_ps(dst + g, _mm512_mul_ps(v, _mm512_set1_ps(global * 256.0f)));
+    }
+  }
+  for (; g < groups; ++g) {
+    const uint8_t b = bytes[g];
+    dst[g] = F == WeightFormat::kMxfp4 ? (b == 255 ? NAN : std::ldexp(1.0f, int(b) - 127))
+                                       : fp8_e4m3_to_float(b) * global;
   }
 }
 
@@ -141,17 +172,16 @@ KT_TARGET_AVX512_BF16 void fp4_gemv_bf16(const uint16_t* x, int64_t ldx, const u
   const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G, steps = K / kStep;
   const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
   const uint8_t* scales = static_cast<const uint8_t*>(w.scale.const_data_ptr());
-  const float* scale_table = w.scale_table;
-  alignas(64) uint16_t words[32];
-  for (int i = 0; i < 32; ++i) words[i] = simd::float_to_bf16(float(nibble_values(w.format)[i % 16]));
+  alignas(64) uint16_t words[32];  // the e2m1 values as bf16 (exact); the true scales below
+  for (int i = 0; i < 32; ++i) words[i] = simd::float_to_bf16(0.5f * float(kE2m1TwiceValues[i % 16]));
   const __m512i table = _mm512_load_si512(words);  // entries 16-31 repeat 0-15: vpermw reads 5 bits
-  const __m512i nibble = _mm512_set1_epi16(0x000f);
   const int64_t ahead = prefetch_ahead_rows(ld, 1);
   for (int64_t r = 0; r < R; ++r) {
     const uint8_t* row = base + r * ld;
     const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
     const uint8_t* row_scales = scales + r * groups;
-    for (int64_t g = 0; g < groups; ++g) scale_buffer[g] = scale_table[row_scales[g]];
+    fp4_row_scales<G == 16 ? WeightFormat::kNvfp4 : WeightFormat::kMxfp4>(row_scales, groups, w.global_scale,
+                                                                          scale_buffer);
     __m512 acc[M][2];
     KT_UNROLL for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t b = 0; b < steps; ++b) {
@@ -159,7 +189,7 @@ KT_TARGET_AVX512_BF16 void fp4_gemv_bf16(const uint16_t* x, int64_t ldx, const u
       if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, c / 2 + 64);
       const __m512i v = _mm512_loadu_si512(row + c / 2);
       const __m512bh wv[4] = {
-          (__m512bh)_mm512_permutexvar_epi16(_mm512_and_si512(v, nibble), table),
+          (__m512bh)_mm512_permutexvar_epi16(v, table),
           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 4), table),  // vpermw: bits 0-4 of each
           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 8), table),  // word, the table repeating
           (__m512bh)_mm512_permutexvar_epi16(_mm512_srli_epi16(v, 12), table)};
