@@ -1,7 +1,7 @@
 """The routed experts' bytes per expert format, computed from shapes alone
 (``quantization.expert_set_nbytes``, ``kt_ops.hf.expert_memory``): equal to what the layers and
-patched models really hold, scales included, and the README's models read with their released
-shapes."""
+patched models really hold, scales included (and gpt-oss's biases), and the table's models
+(docs/quantization.md) read with their released shapes."""
 import json
 
 import pytest
@@ -48,6 +48,10 @@ def test_shape_formula_refusals():
 
 
 def tiny_config(family):
+    if family == "gpt_oss":  # biases, transposed and interleaved gate/up; all 2 layers MoE
+        return transformers.GptOssConfig(vocab_size=64, hidden_size=128, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         num_local_experts=6, num_experts_per_tok=2, max_position_embeddings=64)
     common = dict(vocab_size=64, hidden_size=128, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=96, moe_intermediate_size=64, num_experts_per_tok=2, max_position_embeddings=64)
     if family == "qwen3_moe":  # layer 1 dense by mlp_only_layers: 3 of 4 layers MoE
@@ -59,16 +63,18 @@ def tiny_config(family):
                                          qk_nope_head_dim=16, v_head_dim=16, n_group=2, topk_group=1)
 
 
-@pytest.mark.parametrize("family,moe_layers,experts", [("qwen3_moe", (0, 2, 3), 8), ("deepseek_v3", (2, 3), 6)])
+@pytest.mark.parametrize("family,moe_layers,experts", [("qwen3_moe", (0, 2, 3), 8), ("deepseek_v3", (2, 3), 6),
+                                                       ("gpt_oss", (0, 1), 6)])
 def test_expert_layers_are_the_models_moe_layers(family, moe_layers, experts):
     layers = expert_memory.expert_layers(tiny_config(family))
     assert [layer.name for layer in layers] == [f"model.layers.{i}.mlp.experts" for i in moe_layers]
     assert {(l.num_experts, l.hidden_size, l.intermediate_size) for l in layers} == {(experts, 128, 64)}
+    assert {l.bias for l in layers} == {family == "gpt_oss"}
 
 
-@pytest.mark.parametrize("fmt,group", [(None, None), ("fp8", None), ("int8", None), ("int4", 32)],
-                         ids=["bf16", "fp8", "int8", "int4-g32"])
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+@pytest.mark.parametrize("fmt,group", [(None, None), ("fp8", None), ("int8", None), ("int4", 32), ("mxfp4", None)],
+                         ids=["bf16", "fp8", "int8", "int4-g32", "mxfp4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_predicted_bytes_equal_the_patched_models(family, fmt, group):
     """The table's number is what patch_model's layers really hold once the model is patched."""
     config = tiny_config(family)
@@ -97,18 +103,27 @@ def test_predicted_shard_bytes_equal_the_largest_shard_owners(fmt, group, monkey
 
 
 def test_reference_models_have_their_released_shapes():
-    """Shapes as the released config.json files give them (the README's memory table)."""
+    """Shapes as the released config.json files give them (docs/quantization.md's memory table)."""
     want = {"Qwen3-30B-A3B": (48, 128, 2048, 768), "Qwen3-235B-A22B": (94, 128, 4096, 1536),
-            "DeepSeek-V3 / R1": (58, 256, 7168, 2048), "Kimi-K2": (60, 384, 7168, 2048)}
+            "DeepSeek-V3 / R1": (58, 256, 7168, 2048), "Kimi-K2": (60, 384, 7168, 2048),
+            "gpt-oss-120b": (36, 128, 2880, 2880), "gpt-oss-20b": (24, 32, 2880, 2880),
+            "DeepSeek-V4-Flash": (43, 256, 4096, 2048)}
     configs = expert_memory.reference_configs()
     assert list(configs) == list(want)
     for label, (n_layers, E, H, I) in want.items():
         layers = expert_memory.expert_layers(configs[label])
         assert len(layers) == n_layers, label
         assert {(l.num_experts, l.hidden_size, l.intermediate_size) for l in layers} == {(E, H, I)}, label
+        assert {l.bias for l in layers} == {label.startswith("gpt-oss")}, label
     # DeepSeek-V3's 654 B routed parameters: 1.31 TB in bf16, half that in fp8.
     v3 = expert_memory.expert_layers(configs["DeepSeek-V3 / R1"])
     assert sum(l.nbytes() for l in v3) == 58 * 256 * 3 * 7168 * 2048 * 2
+    # gpt-oss-120b's experts with their biases: ~214 GiB in bf16, ~57 GiB in mxfp4 (as it ships:
+    # half a byte a weight and an E8M0 byte per 32; the biases stay bf16).
+    oss = expert_memory.expert_layers(configs["gpt-oss-120b"])
+    weights, biases = 36 * 128 * 3 * 2880 * 2880, 36 * 128 * (2 * 2880 + 2880)
+    assert sum(l.nbytes() for l in oss) == (weights + biases) * 2
+    assert sum(l.nbytes("mxfp4") for l in oss) == weights // 2 + weights // 32 + biases * 2
 
 
 def test_the_issues_memory_ratios_at_the_reference_shapes():

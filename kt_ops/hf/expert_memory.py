@@ -4,11 +4,12 @@ The model is built from its config on the meta device (no weight is allocated) a
 transformers experts module in it is read off: ``gate_up_proj [E, 2I, H]`` and ``down_proj
 [E, H, I]``. So the layer count, the dense layers (DeepSeek's ``first_k_dense_replace``, Qwen's
 ``mlp_only_layers``, ...) and the shapes are transformers' own, for any family it runs. Bytes
-per layer are :func:`kt_ops.quantization.expert_set_nbytes`: what ``KTMoE.expert_nbytes()``
-reports once :func:`~kt_ops.patch_model` has patched the layer, scales included. Shared experts
-and every other module stay where the model keeps them and are not counted.
+per layer are :func:`kt_ops.quantization.expert_set_nbytes` (plus the biases, in bf16, where the
+experts have them): what ``KTMoE.expert_nbytes()`` reports once :func:`~kt_ops.patch_model` has
+patched the layer, scales included. Shared experts and every other module stay where the model
+keeps them and are not counted.
 
-    .venv/bin/python -m kt_ops.hf.expert_memory                    # the README's table
+    .venv/bin/python -m kt_ops.hf.expert_memory                    # docs/quantization.md's table
     .venv/bin/python -m kt_ops.hf.expert_memory path/to/checkpoint   # any local config
     .venv/bin/python -m kt_ops.hf.expert_memory --expert-shards 2    # per owner of 2 shards
 """
@@ -37,13 +38,16 @@ class ExpertLayer:
     num_experts: int
     hidden_size: int
     intermediate_size: int
+    bias: bool = False   # gpt-oss: gate/up [E, 2I] and down [E, H] biases
 
     def nbytes(self, expert_format: Optional[str] = None, group_size: Optional[int] = None, shards: int = 1) -> int:
         """The bytes of the layer's experts; with ``shards`` > 1, of the largest shard (shard 0,
-        ``ceil(E / shards)`` experts): what its owner holds."""
+        ``ceil(E / shards)`` experts): what its owner holds. Biases are held in the model's dtype
+        whatever the expert format (bf16 here, as the model is built)."""
         experts = -(-self.num_experts // shards)
+        biases = experts * (2 * self.intermediate_size + self.hidden_size) * torch.bfloat16.itemsize if self.bias else 0
         return quantization.expert_set_nbytes(experts, self.hidden_size, self.intermediate_size,
-                                              expert_format, group_size)
+                                              expert_format, group_size) + biases
 
 
 def expert_layers(config) -> list[ExpertLayer]:
@@ -58,8 +62,9 @@ def expert_layers(config) -> list[ExpertLayer]:
     layers = []
     for name, module in model.named_modules():
         if is_experts_module(module):
-            E, I, H = ExpertsLayout.of(module).sizes(module.gate_up_proj)
-            layers.append(ExpertLayer(name, E, H, I))
+            layout = ExpertsLayout.of(module)
+            E, I, H = layout.sizes(module.gate_up_proj)
+            layers.append(ExpertLayer(name, E, H, I, layout.has_bias))
     if not layers:
         raise ValueError(f"expert_layers: {type(model).__name__} (model_type={config.model_type!r}) has no "
                          "transformers experts module")
@@ -86,8 +91,9 @@ def expert_bytes(config, expert_format: Optional[str] = None, group_size: Option
 
 
 def reference_configs() -> dict:
-    """The README's models, as transformers configs with their released shapes (config.json)."""
-    from transformers import DeepseekV3Config, Qwen3MoeConfig
+    """The table's models (docs/quantization.md), as transformers configs with their released shapes
+    (config.json)."""
+    from transformers import DeepseekV3Config, DeepseekV4Config, GptOssConfig, Qwen3MoeConfig
 
     return {
         # 48 layers, all MoE (decoder_sparse_step 1, mlp_only_layers []), 128 experts of 2048 x 768.
@@ -103,6 +109,23 @@ def reference_configs() -> dict:
         "DeepSeek-V3 / R1": DeepseekV3Config(),
         # DeepSeek-V3's architecture with 384 routed experts and only the first layer dense.
         "Kimi-K2": DeepseekV3Config(n_routed_experts=384, first_k_dense_replace=1, num_attention_heads=64),
+        # openai/gpt-oss-120b: 36 layers, all MoE, 128 experts of 2880 x 2880 with biases (ships its
+        # experts in MXFP4: the mxfp4 column).
+        "gpt-oss-120b": GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=128,
+                                     num_experts_per_tok=4, num_hidden_layers=36, num_attention_heads=64,
+                                     num_key_value_heads=8, head_dim=64),
+        # openai/gpt-oss-20b: 24 layers, all MoE, 32 experts of 2880 x 2880 with biases (MXFP4).
+        "gpt-oss-20b": GptOssConfig(hidden_size=2880, intermediate_size=2880, num_local_experts=32,
+                                    num_experts_per_tok=4, num_hidden_layers=24, num_attention_heads=64,
+                                    num_key_value_heads=8, head_dim=64),
+        # deepseek-ai/DeepSeek-V4-Flash: 43 layers, all MoE (the first num_hash_layers=3 route by token
+        # id, to the same 256 routed experts), 256 routed experts of 4096 x 2048, one shared expert per
+        # layer (not counted); its MTP layer (num_nextn_predict_layers 1) transformers does not build.
+        # Ships its experts in FP4 (E2M1 + an E8M0 scale per 32: the mxfp4 column).
+        "DeepSeek-V4-Flash": DeepseekV4Config(hidden_size=4096, moe_intermediate_size=2048, n_routed_experts=256,
+                                              n_shared_experts=1, num_experts_per_tok=6, num_hidden_layers=43,
+                                              num_hash_layers=3, num_attention_heads=64, num_key_value_heads=1,
+                                              head_dim=512),
     }
 
 
@@ -155,7 +178,7 @@ def memory_table(configs: dict, shards: int = 1) -> str:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kt_ops.hf.expert_memory", description=__doc__.split("\n\n")[0])
     parser.add_argument("configs", nargs="*", metavar="CONFIG",
-                        help="checkpoint directories or config.json files (default: the README's models)")
+                        help="checkpoint directories or config.json files (default: docs/quantization.md's models)")
     parser.add_argument("--expert-shards", type=int, default=1, metavar="S",
                         help="per owner of the largest of S expert shards (default: one owner, all experts)")
     args = parser.parse_args(argv)
