@@ -136,23 +136,21 @@ KT_TARGET_AVX512_BF16 void bf16_x_classes(const uint16_t* x, int64_t ldx, int64_
 // exactly) times 2^8 · global, which rounds as (value · global) does.
 template <WeightFormat F>
 KT_TARGET_AVX512 void fp4_row_scales(const uint8_t* bytes, int64_t groups, float global, float* dst) {
-  int64_t g = 0;
-  for (; g + 16 <= groups; g += 16) {
+  for (int64_t g = 0; g < groups; g += 16) {
+    const __mmask16 lanes = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
+    const __m128i b = _mm_maskz_loadu_epi8(lanes, bytes + g);
+    __m512 v;
     if constexpr (F == WeightFormat::kMxfp4) {
-      const __m512i e = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(bytes + g)));
-      __m512 v = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
+      const __m512i e = _mm512_cvtepu8_epi32(b);
+      v = _mm512_castsi512_ps(_mm512_slli_epi32(e, 23));
       v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
       v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
-      _mm512_storeu_ps(dst + g, v);
     } else {
-      const __m512 v = _mm512_cvtph_ps(dequant::fp8x16_as_fp16(bytes + g));
-      _mm512_storeu_ps(dst + g, _mm512_mul_ps(v, _mm512_set1_ps(global * 256.0f)));
+      alignas(16) uint8_t copy[16];
+      _mm_store_si128(reinterpret_cast<__m128i*>(copy), b);
+      v = _mm512_mul_ps(_mm512_cvtph_ps(dequant::fp8x16_as_fp16(copy)), _mm512_set1_ps(global * 256.0f));
     }
-  }
-  for (; g < groups; ++g) {
-    const uint8_t b = bytes[g];
-    dst[g] = F == WeightFormat::kMxfp4 ? (b == 255 ? NAN : std::ldexp(1.0f, int(b) - 127))
-                                       : fp8_e4m3_to_float(b) * global;
+    _mm512_mask_storeu_ps(dst + g, lanes, v);
   }
 }
 
