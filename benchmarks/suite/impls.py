@@ -12,8 +12,8 @@ from benchmarks.common import BASE, LORA, Impl, Unavailable, make_step, mark_upd
 from kt_ops import quantization
 from benchmarks.suite.kt_kernel import build_kt_kernel
 
-IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "kt.moe-fp8-fp32",
-         "kt.moe-int4-fp32", "sorted-mm", "grouped-mm", "hf-loop", "kt-kernel", "kt-kernel-fp8", "kt-kernel-int8",
+IMPLS = ("kt.moe", "kt.moe-fp32", "kt.moe-fp8", "kt.moe-int8", "kt.moe-int4", "kt.moe-mxfp4", "kt.moe-nvfp4",
+         "kt.moe-fp8-fp32", "kt.moe-int4-fp32", "sorted-mm", "grouped-mm", "hf-loop", "kt-kernel", "kt-kernel-fp8", "kt-kernel-int8",
          "kt-kernel-int4")
 REFERENCE = "sorted-mm"  # the correctness reference of every other implementation
 KT_MOE_DTYPES = {"kt.moe": torch.bfloat16, "kt.moe-fp32": torch.float32}

@@ -168,7 +168,7 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes_bf16(__m256i bytes, __m512 s
 // masked to the nibble, plus 16 for the words of columns 16-31.
 template <WeightFormat F>
 KT_TARGET_AVX512_BF16 inline __m512i decode32_nibbles_bf16(const uint8_t* row, int64_t c, float s_lo, float s_hi) {
-  static_assert(is_fp4(F), "int4 takes decode32_bf16");
+  static_assert(F == WeightFormat::kNvfp4, "int4 and mxfp4 take decode32_bf16");
   const __m512 values = _mm512_cvtepi32_ps(
       _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceValues))));
   const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(s_hi)),
@@ -192,8 +192,12 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bf16(const uint8_t* row, int64_t c
     const __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(p + 1))), s);
     return (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
   } else {
-    const __m512 products = _mm512_mul_ps(
-        _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7), _mm512_set1_ps(scale));
+    // int4's q - 8, or mxfp4's 2 · e2m1 (its one scale covers the 32 columns; nvfp4 takes
+    // decode32_nibbles_bf16)
+    const __m512 values = F == WeightFormat::kMxfp4
+                              ? _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+                              : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+    const __m512 products = _mm512_mul_ps(values, _mm512_set1_ps(scale));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(products, products);  // entries 16-31 = 0-15
     // vpermw reads an index's low 5 bits only, and the table repeats after 16 entries, so the
     // nibbles need no masking: byte j widened to dword j, OR-ed with itself shifted by 12, is

@@ -136,7 +136,7 @@ KT_TARGET_AVX512 inline void transpose16x16_epi32(__m512i r[16]) {
 // are 32 or more), fp4 by the scales of its two halves (nvfp4's groups are 16).
 template <WeightFormat F>
 KT_TARGET_AVX512_BF16 inline __m512i decode32_nibble_row(const QuantView& q, int64_t row, int64_t c) {
-  if constexpr (F == WeightFormat::kInt4) {
+  if constexpr (F != WeightFormat::kNvfp4) {
     return decode32_bf16<F>(q.row(row), c, q.scale<F>(row, c));
   } else {
     return dequant::decode32_nibbles_bf16<F>(q.row(row), c, q.scale<F>(row, c), q.scale<F>(row, c + 16));
