@@ -15,6 +15,7 @@
 #include "kernels/dequantize_internal.h"
 #include "kernels/quant_gemv_internal.h"
 #include "platform/simd.h"
+#include "platform/vec.h"
 #include "platform/x86_intrinsics.h"
 
 namespace kt {
@@ -38,71 +39,28 @@ inline void step_scales(const float* table, const uint8_t* row_scales, int64_t c
   second = G == 16 ? table[row_scales[c / G + 1]] : first;
 }
 
+// The float32-x GEMV, written once for both widths (quant_gemv_fp4-inl.h), in a namespace per
+// path, as quant_gemv_int4-inl.h is.
+namespace avx2 {
+#define KT_VEC_TARGET KT_TARGET_AVX2
+#include "kernels/quant_gemv_fp4-inl.h"
+#undef KT_VEC_TARGET
+}  // namespace avx2
+
+namespace avx512 {
+#define KT_VEC_TARGET KT_TARGET_AVX512
+#include "kernels/quant_gemv_fp4-inl.h"
+#undef KT_VEC_TARGET
+}  // namespace avx512
+
 template <int M, int G>
-KT_TARGET_AVX2 void fp4_gemv_avx2(const float* x, const WeightMatrix& w, float* out) {
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  const uint8_t* scales = static_cast<const uint8_t*>(w.scale.const_data_ptr());
-  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_values(w.format)));
-  const int64_t ahead = prefetch_ahead_rows(ld, 1);
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const uint8_t* row_scales = scales + r * groups;
-    __m256 acc[M][2];
-    KT_UNROLL for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
-    for (int64_t c = 0; c < K; c += 32) {
-      if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, c / 2 + 16);
-      float s0, s1;
-      step_scales<G>(w.scale_table, row_scales, c, s0, s1);
-      __m128i lo, hi;
-      fp4_values32(row + c / 2, table, lo, hi);
-      const __m256 a = _mm256_set1_ps(s0), b = _mm256_set1_ps(s1);
-      const __m256 v0 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), a);
-      const __m256 v1 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), a);
-      const __m256 v2 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), b);
-      const __m256 v3 = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), b);
-      KT_UNROLL for (int m = 0; m < M; ++m) {
-        const float* xm = x + m * K + c;
-        acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm), v0, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 8), v1, acc[m][1]);
-        acc[m][0] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 16), v2, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(_mm256_loadu_ps(xm + 24), v3, acc[m][1]);
-      }
-    }
-    KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = simd::hsum8(_mm256_add_ps(acc[m][0], acc[m][1]));
-  }
+void fp4_gemv_avx2(const float* x, const WeightMatrix& w, float* out) {
+  avx2::fp4_gemv_rows<simd::F32x8, M, G>(x, w, out);
 }
 
 template <int M, int G>
-KT_TARGET_AVX512 void fp4_gemv_avx512(const float* x, const WeightMatrix& w, float* out) {
-  const int64_t K = w.cols, R = w.rows, ld = w.data.stride(0), groups = K / G;
-  const uint8_t* base = static_cast<const uint8_t*>(w.data.const_data_ptr());
-  const uint8_t* scales = static_cast<const uint8_t*>(w.scale.const_data_ptr());
-  const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(nibble_values(w.format)));
-  const int64_t ahead = prefetch_ahead_rows(ld, 1);
-  for (int64_t r = 0; r < R; ++r) {
-    const uint8_t* row = base + r * ld;
-    const uint8_t* row_ahead = r + ahead < R ? row + ahead * ld : nullptr;
-    const uint8_t* row_scales = scales + r * groups;
-    __m512 acc[M][2];
-    KT_UNROLL for (int m = 0; m < M; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
-    for (int64_t c = 0; c < K; c += 32) {
-      if (row_ahead != nullptr) prefetch_lines(row_ahead, c / 2, c / 2 + 16);
-      float s0, s1;
-      step_scales<G>(w.scale_table, row_scales, c, s0, s1);
-      __m128i lo, hi;
-      fp4_values32(row + c / 2, table, lo, hi);
-      const __m512 v0 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), _mm512_set1_ps(s0));
-      const __m512 v1 = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), _mm512_set1_ps(s1));
-      KT_UNROLL for (int m = 0; m < M; ++m) {
-        const float* xm = x + m * K + c;
-        acc[m][0] = _mm512_fmadd_ps(_mm512_loadu_ps(xm), v0, acc[m][0]);
-        acc[m][1] = _mm512_fmadd_ps(_mm512_loadu_ps(xm + 16), v1, acc[m][1]);
-      }
-    }
-    KT_UNROLL for (int m = 0; m < M; ++m) out[m * R + r] = _mm512_reduce_add_ps(_mm512_add_ps(acc[m][0], acc[m][1]));
-  }
+void fp4_gemv_avx512(const float* x, const WeightMatrix& w, float* out) {
+  avx512::fp4_gemv_rows<simd::F32x16, M, G>(x, w, out);
 }
 
 // bf16 x on AVX512-BF16, as the int4 kernel (quant_gemv_avx512.cpp) takes it: x reordered
@@ -137,8 +95,16 @@ KT_TARGET_AVX512_BF16 void bf16_x_classes(const uint16_t* x, int64_t ldx, int64_
 template <WeightFormat F>
 KT_TARGET_AVX512 void fp4_row_scales(const uint8_t* bytes, int64_t groups, float global, float* dst) {
   for (int64_t g = 0; g < groups; g += 16) {
-    const __mmask16 lanes = groups - g >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << (groups - g)) - 1);
-    const __m128i b = _mm_maskz_loadu_epi8(lanes, bytes + g);
+    // a row's last groups (fewer than 16) through a zeroed copy: no masked loads, which the
+    // emulated AVX-512 build (csrc/platform/avx512_emulation.h) lacks
+    const int64_t n = std::min<int64_t>(16, groups - g);
+    alignas(16) uint8_t tail[16] = {};
+    const uint8_t* src = bytes + g;
+    if (n < 16) {
+      std::copy(src, src + n, tail);
+      src = tail;
+    }
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
     __m512 v;
     if constexpr (F == WeightFormat::kMxfp4) {
       const __m512i e = _mm512_cvtepu8_epi32(b);
@@ -146,11 +112,15 @@ KT_TARGET_AVX512 void fp4_row_scales(const uint8_t* bytes, int64_t groups, float
       v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_setzero_si512()), _mm512_set1_ps(0x1p-127f));
       v = _mm512_mask_mov_ps(v, _mm512_cmpeq_epi32_mask(e, _mm512_set1_epi32(255)), _mm512_set1_ps(NAN));
     } else {
-      alignas(16) uint8_t copy[16];
-      _mm_store_si128(reinterpret_cast<__m128i*>(copy), b);
-      v = _mm512_mul_ps(_mm512_cvtph_ps(dequant::fp8x16_as_fp16(copy)), _mm512_set1_ps(global * 256.0f));
+      v = _mm512_mul_ps(_mm512_cvtph_ps(dequant::fp8x16_as_fp16(src)), _mm512_set1_ps(global * 256.0f));
     }
-    _mm512_mask_storeu_ps(dst + g, lanes, v);
+    if (n == 16) {
+      _mm512_storeu_ps(dst + g, v);
+    } else {
+      alignas(64) float values[16];
+      _mm512_store_ps(values, v);
+      std::copy(values, values + n, dst + g);
+    }
   }
 }
 

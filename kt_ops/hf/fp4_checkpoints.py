@@ -48,12 +48,12 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-FP4_FORMATS = ("mxfp4", "nvfp4")
-MXFP4_GROUP = 32
-NVFP4_GROUP = 16
+from kt_ops.quantization import FP4_FORMATS, FP4_GROUP as _GROUP, storage_layout
+
+MXFP4_GROUP = _GROUP["mxfp4"]
+NVFP4_GROUP = _GROUP["nvfp4"]
 HF_QUANT_CONFIG = "hf_quant_config.json"
-_SCALE_DTYPE = {"mxfp4": torch.float8_e8m0fnu, "nvfp4": torch.float8_e4m3fn}
-_GROUP = {"mxfp4": MXFP4_GROUP, "nvfp4": NVFP4_GROUP}
+_SCALE_DTYPE = {fmt: storage_layout(fmt, 1, 1, 32, None)[3] for fmt in FP4_FORMATS}  # the formats' own
 
 # What a gpt-oss MXFP4 config may hold (Mxfp4Config.to_dict; "dequantize" is a loading option).
 _GPT_OSS_FIELDS = ("quant_method", "modules_to_not_convert", "dequantize")
