@@ -276,7 +276,8 @@ def extreme_scale_inputs(fmt, dtype, T, seed):
     for scale_name, expert, (lo, hi) in (("gate_scale", 0, small), ("up_scale", 0, small),
                                          ("down_scale", 1, large)):
         raw = kwargs[scale_name].view(torch.uint8).clone()
-        raw[expert] = torch.randint(lo, hi, raw[expert].shape, dtype=torch.uint8)
+        raw[expert] = torch.randint(lo, hi, raw[expert].shape, dtype=torch.uint8,
+                                    generator=torch.Generator().manual_seed(seed + expert))
         kwargs[scale_name] = raw.view(kwargs[scale_name].dtype)
     if fmt == "mxfp4":
         x = kwargs["hidden_states"].detach().clone()
