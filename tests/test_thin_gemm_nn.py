@@ -7,13 +7,27 @@ import pytest
 import torch
 
 from kt_ops.cpu_isa import supported_cpu_isas, use_cpu_isa
-from quantized_testing import finite_fp8_codes, isa_param, python_dequantize, randn, raw_weight
+from kt_ops import quantization
+from quantized_testing import every_byte, finite_fp8_codes, isa_param, python_dequantize, randn, raw_weight
 
 f32, bf16 = torch.float32, torch.bfloat16
 PATHS = [isa_param("portable"), isa_param("avx2")]  # the reference loop; the AVX2 kernel
 # (format, group): bf16 dense weights, then every quantized format
-WEIGHTS = [(None, None), ("fp8", None), ("int8", None), ("int4", 32), ("int4", 64), ("int4", 128)]
-WEIGHT_IDS = ["bf16", "fp8", "int8", "int4-g32", "int4-g64", "int4-g128"]
+WEIGHTS = [(None, None), ("fp8", None), ("int8", None), ("int4", 32), ("int4", 64), ("int4", 128), ("mxfp4", 32),
+           ("nvfp4", 16)]
+WEIGHT_IDS = ["bf16", "fp8", "int8", "int4-g32", "int4-g64", "int4-g128", "mxfp4", "nvfp4"]
+
+
+def fp4_weight(fmt, group, rows, cols, seed):
+    """Every code byte, finite scale bytes (mxfp4 2^-27 .. 2^13; nvfp4 E4M3 up to 2^-1), and the
+    Python dequantization (nvfp4's global scale 1, as the kernel test ops take it)."""
+    data = every_byte(rows, cols // 2, seed)
+    raw = every_byte(rows, cols // group, seed + 1)
+    if fmt == "mxfp4":
+        scale = (raw % 41 + 100).view(torch.float8_e8m0fnu)
+        return data, scale, quantization.dequantize(data[None], scale[None])[0]
+    scale = (raw % 0x70).view(torch.float8_e4m3fn)
+    return data, scale, quantization.dequantize(data[None], scale[None], torch.ones(1))[0]
 
 
 def weight(fmt, group, rows, cols, scale_dtype, seed):
@@ -22,6 +36,9 @@ def weight(fmt, group, rows, cols, scale_dtype, seed):
     if fmt is None:
         data = (randn(rows, cols, seed=seed) * 0.05).to(bf16)
         return data, None, data.double()
+    if fmt in ("mxfp4", "nvfp4"):
+        data, scale, values = fp4_weight(fmt, group, rows, cols, seed)
+        return data, scale, values.double()
     data, scale = raw_weight(fmt, group, rows, cols, scale_dtype, seed)
     if fmt == "fp8":
         data = finite_fp8_codes(rows, cols, seed).view(torch.float8_e4m3fn)
@@ -130,7 +147,9 @@ def test_backward_routes_decode_blocks_through_it_on_avx2(fmt, group, with_adden
                 want = torch.ops.kt._thin_gemm_nn(d, data, scale, "avx2", addend) if thin else panel(d, addend)
             assert thin == (isa == "avx2" and rows <= 4), (isa, rows)
             torch.testing.assert_close(got, want, rtol=0, atol=0, msg=f"{isa}, {rows} rows")
-            if thin and fmt is not None:  # the routes differ: a test that could tell them apart
+            # the routes differ: a test that could tell them apart (mxfp4's power-of-two scales
+            # make every product exact, and its sums can come out the same both ways)
+            if thin and fmt not in (None, "mxfp4"):
                 assert not torch.equal(got, panel(d, addend))
 
 

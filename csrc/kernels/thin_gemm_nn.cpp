@@ -104,6 +104,30 @@ struct Int4Rows {
   float value(int64_t, int64_t) const { return 0.f; }  // no column tail: K is a multiple of g
 };
 
+// mxfp4 / nvfp4: each nibble's value (2 · e2m1) by a byte shuffle, in column order; the
+// scale_table's half scale goes into the coefficient (their product is the weight exactly).
+struct Fp4Rows {
+  const uint8_t* base;
+  int64_t ld;
+  int64_t segment;        // the group size: 32 or 16
+  const uint8_t* scales;  // [rows, cols / g] scale bytes
+  int64_t groups;
+  const float* table;     // WeightMatrix::scale_table
+  const int8_t* values;   // nibble_values
+  const uint8_t* row(int64_t i) const { return base + i * ld; }
+  static constexpr int64_t kBytesPer16 = 8;
+  float scale(int64_t i, int64_t group) const { return table[scales[i * groups + group]]; }
+  KT_TARGET_AVX2 void decode16(const uint8_t* row, int64_t k, __m256& lo, __m256& hi, __m128i&) const {
+    const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + k / 2));
+    const __m128i mask = _mm_set1_epi8(0x0f);
+    const __m128i codes = _mm_unpacklo_epi8(_mm_and_si128(b, mask), _mm_and_si128(_mm_srli_epi16(b, 4), mask));
+    const __m128i v = _mm_shuffle_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(values)), codes);
+    lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+    hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(v, 8)));
+  }
+  float value(int64_t, int64_t) const { return 0.f; }  // no column tail: K is a multiple of 32
+};
+
 template <bool Bf16Scales>
 struct Fp8Rows {
   const uint8_t* base;
@@ -245,6 +269,12 @@ bool nn_avx2_quantized(const float* d, int64_t M, const WeightMatrix& w, float* 
   switch (w.format) {
     case WeightFormat::kInt8:
       return nn_avx2_rows(d, M, N, K, Int8Rows<Bf16Scales>{base, ld, std::max<int64_t>(K, 1), scales}, acc);
+    case WeightFormat::kMxfp4:
+    case WeightFormat::kNvfp4:
+      return nn_avx2_rows(d, M, N, K,
+                          Fp4Rows{base, ld, w.group, static_cast<const uint8_t*>(scales), w.scale.size(1),
+                                  w.scale_table, nibble_values(w.format)},
+                          acc);
     case WeightFormat::kInt4: {
       permute16(acc, M, K, /*to_permuted=*/true);
       nn_avx2_rows(d, M, N, K, Int4Rows<Bf16Scales>{base, ld, w.group, scales, w.scale.size(1)}, acc);
@@ -276,7 +306,7 @@ at::Tensor thin_gemm_nn(const at::Tensor& d, const WeightMatrix& w, const std::o
   const float* dp = d32.const_data_ptr<float>();
   float* ap = acc.mutable_data_ptr<float>();
 
-  bool redo = isa == CpuIsa::kPortable || is_fp4(w.format);  // fp4: no AVX2 kernel here yet
+  bool redo = isa == CpuIsa::kPortable;
   if (!redo) {
     const at::Tensor start = w.format == WeightFormat::kFp8 ? acc.clone() : at::Tensor();
     if (!w.quantized()) {
