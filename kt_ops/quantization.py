@@ -177,9 +177,9 @@ def quantize(weight: Tensor, expert_format: str, group_size: Optional[int] = Non
                              f"got scale_dtype={scale_dtype}")
     elif scale_dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"quantize: scale_dtype must be float32 or bfloat16, got {scale_dtype}")
-    stored_in = inp // 2 if _DTYPE_OF[expert_format] == torch.uint8 else inp
-    data = torch.empty(E, out, stored_in, dtype=_DTYPE_OF[expert_format], device=weight.device)
-    scale = torch.empty(_scale_shape(expert_format, E, out, inp, group_size), dtype=scale_dtype, device=weight.device)
+    data_shape, data_dtype, scale_shape, _ = storage_layout(expert_format, E, out, inp, group_size)
+    data = torch.empty(data_shape, dtype=data_dtype, device=weight.device)
+    scale = torch.empty(scale_shape, dtype=scale_dtype, device=weight.device)
     global_scale = torch.empty(E, dtype=torch.float32, device=weight.device)
     with torch.no_grad():
         for e in range(E):
@@ -325,7 +325,7 @@ def _dequantize_matrix(q: Tensor, scale: Tensor, fmt: str, out: int, inp: int) -
         return q.float() * full
     if fmt == "int8":
         return q.float() * scale.reshape(out, 1)
-    values = torch.stack(((q & 0xF).to(torch.int16) - 8, (q >> 4).to(torch.int16) - 8), dim=-1).reshape(out, inp)
+    values = unpack_nibbles(q).to(torch.int16) - 8
     return values.float() * scale.repeat_interleave(inp // scale.shape[-1], dim=1)
 
 

@@ -160,6 +160,11 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes_bf16(__m256i bytes, __m512 s
   }
 }
 
+// The fp4 formats' 16 nibble values (2 · e2m1) as floats.
+KT_TARGET_AVX512 inline __m512 fp4_values_ps() {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceValues))));
+}
+
 // Columns c .. c+31 of a row of a nibble format F (int4, mxfp4, nvfp4) as 32 bf16 values of
 // value · s: the 32 products of its nibble_values by the scales s_lo (columns c .. c+15) and
 // s_hi (c+16 .. c+31; the same but for nvfp4's groups of 16) in one table of 32 bf16, and one
@@ -169,8 +174,7 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bytes_bf16(__m256i bytes, __m512 s
 template <WeightFormat F>
 KT_TARGET_AVX512_BF16 inline __m512i decode32_nibbles_bf16(const uint8_t* row, int64_t c, float s_lo, float s_hi) {
   static_assert(F == WeightFormat::kNvfp4, "int4 and mxfp4 take decode32_bf16");
-  const __m512 values = _mm512_cvtepi32_ps(
-      _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kE2m1TwiceValues))));
+  const __m512 values = fp4_values_ps();
   const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(values, _mm512_set1_ps(s_hi)),
                                                      _mm512_mul_ps(values, _mm512_set1_ps(s_lo)));
   const __m512i d = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c / 2)));
@@ -195,7 +199,7 @@ KT_TARGET_AVX512_BF16 inline __m512i decode32_bf16(const uint8_t* row, int64_t c
     // int4's q - 8, or mxfp4's 2 · e2m1 (its one scale covers the 32 columns; nvfp4 takes
     // decode32_nibbles_bf16)
     const __m512 values = F == WeightFormat::kMxfp4
-                              ? _mm512_setr_ps(0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12)
+                              ? fp4_values_ps()
                               : _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
     const __m512 products = _mm512_mul_ps(values, _mm512_set1_ps(scale));
     const __m512i table = (__m512i)_mm512_cvtne2ps_pbh(products, products);  // entries 16-31 = 0-15

@@ -329,7 +329,11 @@ KT_TARGET_AVX512_BF16 void cols_avx512_bf16(const WeightMatrix& w, int64_t k0, c
     }
     if constexpr (F == WeightFormat::kFp8) tables.for_row(q, n);
     for (int64_t c0 = k0; c0 < k1; c0 += run) {
-      const float sa = q.scale<F>(n, c0), sb = q.scale<F>(n + 1, c0);
+      float sa = 0.f, sb = 0.f;  // the fp4 formats look their scales up per 32 columns
+      if constexpr (!is_fp4(F)) {
+        sa = q.scale<F>(n, c0);
+        sb = q.scale<F>(n + 1, c0);
+      }
       dequant::Fp8Table table{};
       if constexpr (F == WeightFormat::kFp8) table = tables.at(c0);
       for (int64_t c = c0; c < std::min(c0 + run, k1); c += 32) {

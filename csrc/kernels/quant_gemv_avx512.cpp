@@ -151,31 +151,6 @@ constexpr int kBf16Chains = M == 1 ? 4 : M == 2 ? 2 : 1;
 constexpr int64_t kInt4Step = 128;  // columns per step of the bf16 kernel
 constexpr float kInt4Bias = 136.0f;  // 128 (the decoded form) + 8 (the stored offset)
 
-// x [M, K] bf16 (row stride ldx): each 128 columns' four classes mod 4 (columns c + 4j + k,
-// j = 0 .. 31, for k = 0 .. 3) into xp [M, K / 128 * 128], and kInt4Bias times the sums of the
-// step kernel's lanes (columns 8i .. 8i+7 of each 128) into sums [M, K / 128, 16]. The sums come
-// from vdpbf16ps against ones, so they see x as the products do (denormals flushed).
-KT_TARGET_AVX512_BF16 void bf16_x_mod4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp,
-                                       float* sums) {
-  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
-  const int64_t steps = K / kInt4Step;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < steps; ++b) {
-      const uint16_t* src = x + m * ldx + b * kInt4Step;
-      uint16_t* dst = xp + (m * steps + b) * kInt4Step;
-      const __m512i words[4] = {_mm512_loadu_si512(src), _mm512_loadu_si512(src + 32), _mm512_loadu_si512(src + 64),
-                                _mm512_loadu_si512(src + 96)};
-      __m512i cls[4];
-      columns_mod4(words, cls);
-      __m512 sum = _mm512_setzero_ps();
-      for (int k = 0; k < 4; ++k) {
-        _mm512_storeu_si512(dst + 32 * k, cls[k]);
-        sum = _mm512_dpbf16_ps(sum, (__m512bh)cls[k], ones);
-      }
-      _mm512_storeu_ps(sums + (m * steps + b) * 16, _mm512_mul_ps(sum, _mm512_set1_ps(kInt4Bias)));
-    }
-  }
-}
 
 // 32 columns c.. of a row against x as it is (pairs in column order: byte j's low nibble is
 // column 2j, its high nibble 2j + 1, one dword of the lookup index), into part.
@@ -278,6 +253,32 @@ void gemv_int4_bf16_m(const uint16_t* x, int64_t ldx, const uint16_t* xp, const 
 }
 
 }  // namespace
+
+// x [M, K] bf16 (row stride ldx): each 128 columns' four classes mod 4 (columns c + 4j + k,
+// j = 0 .. 31, for k = 0 .. 3) into xp [M, K / 128 * 128], and kInt4Bias times the sums of the
+// step kernel's lanes (columns 8i .. 8i+7 of each 128) into sums [M, K / 128, 16]. The sums come
+// from vdpbf16ps against ones, so they see x as the products do (denormals flushed).
+KT_TARGET_AVX512_BF16 void bf16_x_mod4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp,
+                                       float* sums) {
+  const __m512bh ones = (__m512bh)_mm512_set1_epi16(0x3f80);
+  const int64_t steps = K / kInt4Step;
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t b = 0; b < steps; ++b) {
+      const uint16_t* src = x + m * ldx + b * kInt4Step;
+      uint16_t* dst = xp + (m * steps + b) * kInt4Step;
+      const __m512i words[4] = {_mm512_loadu_si512(src), _mm512_loadu_si512(src + 32), _mm512_loadu_si512(src + 64),
+                                _mm512_loadu_si512(src + 96)};
+      __m512i cls[4];
+      columns_mod4(words, cls);
+      __m512 sum = _mm512_setzero_ps();
+      for (int k = 0; k < 4; ++k) {
+        _mm512_storeu_si512(dst + 32 * k, cls[k]);
+        sum = _mm512_dpbf16_ps(sum, (__m512bh)cls[k], ones);
+      }
+      if (sums != nullptr) _mm512_storeu_ps(sums + (m * steps + b) * 16, _mm512_mul_ps(sum, _mm512_set1_ps(kInt4Bias)));
+    }
+  }
+}
 
 void gemv_int4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix& w, float* out) {
   TORCH_INTERNAL_ASSERT(w.format == WeightFormat::kInt4);

@@ -64,7 +64,7 @@ void fp4_gemv_avx512(const float* x, const WeightMatrix& w, float* out) {
 }
 
 // bf16 x on AVX512-BF16, as the int4 kernel (quant_gemv_avx512.cpp) takes it: x reordered
-// once per call into each 128 columns' four classes mod 4 (columns_mod4), so that the four
+// once per call into each 128 columns' four classes mod 4 (bf16_x_mod4), so that the four
 // nibbles of each 16-bit word of a row's 64 bytes, shifted into place, index the 16 bf16
 // values of e2m1 (exact) with one vpermw per 32 columns (it reads 5 bits: the table repeats); vdpbf16ps multiplies them with x
 // exactly and sums in float32, lane i holding columns 8i .. 8i+7 of the step, and each lane's
@@ -73,20 +73,6 @@ void fp4_gemv_avx512(const float* x, const WeightMatrix& w, float* out) {
 // The columns after the last whole 128 go 32 at a time against x as it is (the word trick of
 // decode32_bf16 puts each pair in column order).
 constexpr int64_t kStep = 128;
-
-KT_TARGET_AVX512_BF16 void bf16_x_classes(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp) {
-  const int64_t steps = K / kStep;
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t b = 0; b < steps; ++b) {
-      const uint16_t* src = x + m * ldx + b * kStep;
-      const __m512i words[4] = {_mm512_loadu_si512(src), _mm512_loadu_si512(src + 32), _mm512_loadu_si512(src + 64),
-                                _mm512_loadu_si512(src + 96)};
-      __m512i cls[4];
-      columns_mod4(words, cls);
-      for (int k = 0; k < 4; ++k) _mm512_storeu_si512(xp + (m * steps + b) * kStep + 32 * k, cls[k]);
-    }
-  }
-}
 
 // The true scales of a row's groups (not scale_table's halves: this kernel looks up the e2m1
 // values themselves), 16 at a time: mxfp4's E8M0 byte e is the float32 of exponent bits e
@@ -200,7 +186,7 @@ void gemv_fp4_bf16(const uint16_t* x, int64_t ldx, int64_t M, const WeightMatrix
   const int64_t K = w.cols, steps = K / kStep;
   AlignedFloats xp_buffer((M * steps * kStep + 1) / 2), scale_buffer(K / w.group);
   uint16_t* xp = reinterpret_cast<uint16_t*>(xp_buffer.data());
-  bf16_x_classes(x, ldx, M, K, xp);
+  bf16_x_mod4(x, ldx, M, K, xp, nullptr);
   for_row_chunks(M, [&](int64_t m0, auto rows) {
     constexpr int R = decltype(rows)::value;
     const uint16_t* xm = x + m0 * ldx;

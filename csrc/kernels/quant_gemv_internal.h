@@ -356,6 +356,10 @@ void gemv_avx512(const float* x, const WeightMatrix& w, float* out);
 // on the AVX-512 kernel or the AVX2 one (quant_gemv_fp4.cpp).
 void gemv_fp4(const float* x, int64_t M, const WeightMatrix& w, bool avx512, float* out);
 
+// x [M, K] bf16 (rows ldx apart) in each 128 columns' four classes mod 4 into xp [M, K / 128 *
+// 128], and (when sums is not null) the int4 kernel's bias sums (quant_gemv_avx512.cpp).
+void bf16_x_mod4(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, uint16_t* xp, float* sums);
+
 // out = x·wᵀ for M rows of bf16 x (rows ldx apart) on an mxfp4 / nvfp4 weight, on AVX512-BF16
 // (quant_gemv_fp4.cpp): each code looked up as the exact bf16 of its value, vdpbf16ps, each
 // group's sums times its scale; out [M, R] float32.
