@@ -15,14 +15,17 @@
 - :func:`save_adapter` / :func:`load_adapter` write and read the expert LoRA in PEFT's
   adapter format (``adapter_model.safetensors`` + ``adapter_config.json``), interchangeable
   with ``PeftModel`` on the unpatched model.
+- :func:`merge_adapter` merges such an adapter into its base checkpoint, streamed shard by
+  shard, in the base's own format (:mod:`kt_ops.hf.merge`).
 
 Importing this package does not import transformers or peft (they are imported lazily).
 """
 from kt_ops.hf.adapters import save_adapter
 from kt_ops.hf.experts import KTExperts, experts_support, register_kt_experts
 from kt_ops.hf.loading import from_pretrained
+from kt_ops.hf.merge import merge_adapter
 from kt_ops.hf.patch import patch_model, patched_experts
 from kt_ops.hf.peft_attention import get_peft_model, load_adapter
 
-__all__ = ["from_pretrained", "get_peft_model", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
+__all__ = ["from_pretrained", "get_peft_model", "merge_adapter", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
            "register_kt_experts"]

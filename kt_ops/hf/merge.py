@@ -1,0 +1,466 @@
+"""``kt_ops.hf.merge_adapter``: a trained adapter merged into its base checkpoint, streamed
+shard by shard, written in the base's own format.
+
+A merged checkpoint is what every serving engine loads. For a DeepSeek-V3-class model that is
+a 650 GB FP8 checkpoint: the merge cannot load the model, and re-saving it in bf16 would double
+it. So the base is read as stored, one tensor at a time (:mod:`kt_ops.hf.shards`), and written
+shard by shard with the same names (:mod:`kt_ops.hf.shard_writer`):
+
+* a tensor the adapter does not touch is copied byte for byte, never decoded;
+* a weight with a LoRA delta (PEFT's LoRA on attention and other linear modules:
+  ``<module>.lora_A.weight [r, in]`` / ``lora_B.weight [out, r]``; kt's on the routed experts,
+  in PEFT's layout, see :mod:`kt_ops.hf.adapters`) is decoded to float32, gets
+  ``W + s·B·A`` and is encoded again (:mod:`kt_ops.hf.merge_formats`): FP8 blocks with their
+  scales recomputed, compressed-tensors INT4 and GPTQ INT4 requantized with their group size,
+  float cast back to its dtype.
+
+Checkpoint names are matched to the model's (and so to the adapter's) with the plan
+:func:`~kt_ops.hf.from_pretrained` loads with (transformers' conversion mapping, on a meta
+model), and everything is checked against the headers before a byte is written. The output is
+built in a temporary folder beside ``out_dir`` and renamed at the end: a failure or an
+interrupt leaves no ``out_dir``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import shutil
+from typing import Optional, Union
+
+import torch
+from torch import Tensor
+
+from kt_ops.distributed import PEFT_MODEL_PREFIX
+from kt_ops.hf import fp4_checkpoints
+from kt_ops.hf.adapters import ADAPTER_CONFIG, _KEY_RE, _read_adapter_weights, peft_factors_to_kt
+from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
+from kt_ops.hf.expert_layout import ExpertsLayout
+from kt_ops.hf.merge_formats import encode_like
+from kt_ops.hf.shard_writer import PlannedTensor, ST_DTYPES, StreamingShard, read_header
+from kt_ops.hf.shards import INDEX_FILE, ShardReader, TensorRef, shard_files, tensor_refs
+
+OUTPUT_FORMATS = ("same", "bf16")
+_LINEAR_KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
+_WHO = "merge_adapter"
+
+
+@dataclasses.dataclass
+class MergeSummary:
+    """What a merge wrote: ``merged``, the checkpoint keys whose tensors got a LoRA delta (or
+    new scales with it); ``converted``, the keys of quantized weights written as bf16
+    (``output_format="bf16"``); ``copied``, how many tensors were copied byte for byte."""
+    out_dir: str
+    merged: list = dataclasses.field(default_factory=list)
+    converted: list = dataclasses.field(default_factory=list)
+    copied: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+
+
+def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.PathLike],
+                  out_dir: Union[str, os.PathLike], *, output_format: str = "same", progress: bool = True,
+                  overwrite: bool = False) -> MergeSummary:
+    """Merge the PEFT-format adapter ``adapter_dir`` (what :func:`kt_ops.hf.save_adapter`
+    writes: kt's expert LoRA, and PEFT's LoRA on attention or other linear modules) into the
+    checkpoint ``base_dir`` and write the result to ``out_dir``.
+
+    ``output_format``: ``"same"`` keeps the base's format (bf16 / fp16 / fp32; FP8 with
+    128x128 block, per-row or per-tensor scales, DeepSeek's or compressed-tensors'; INT8;
+    compressed-tensors pack-quantized INT4; GPTQ INT4), requantizing only the weights the
+    adapter changes; ``"bf16"`` writes every quantized weight dequantized as a bf16
+    ``X.weight`` (float tensors keep their dtype) and drops ``quantization_config``.
+
+    The output has the base's shard files and index, its ``config.json`` (with a
+    ``quantization_config`` describing what was written) and every other file of ``base_dir``
+    (tokenizer, generation config) copied. Memory: the largest input shard at most (usually
+    one tensor and the fused experts of one layer in float32) plus the mapped shard pages
+    (:data:`~kt_ops.hf.shards.REMAP_BYTES`).
+
+    Raises:
+        ValueError: ``out_dir`` exists (without ``overwrite=True``) or is ``base_dir``; an
+            unknown ``output_format``; a base checkpoint kt_ops cannot read; an adapter whose
+            config or tensors do not fit the base (another architecture, number of experts,
+            layers or shapes, a rank other than its config's): the first mismatching key is
+            named, before anything is written; a merged weight with NaN or inf (named).
+    """
+    base_dir, adapter_dir, out_dir = (os.path.abspath(os.fspath(p)) for p in (base_dir, adapter_dir, out_dir))
+    if output_format not in OUTPUT_FORMATS:
+        raise ValueError(f"{_WHO}: output_format must be one of {OUTPUT_FORMATS}, got {output_format!r} (writing "
+                         "another quantization than the base's is not supported yet)")
+    for name, path in (("base_dir", base_dir), ("adapter_dir", adapter_dir)):
+        if not os.path.isdir(path):
+            raise ValueError(f"{_WHO}: {name} {path!r} is not a directory")
+    if out_dir in (base_dir, adapter_dir):
+        raise ValueError(f"{_WHO}: out_dir must be a new directory, not the base's or the adapter's ({out_dir!r})")
+    if os.path.lexists(out_dir) and not overwrite:
+        raise ValueError(f"{_WHO}: out_dir {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it")
+
+    plan = _MergePlan(base_dir, adapter_dir, output_format)  # every check; nothing written yet
+    parent, leaf = os.path.split(out_dir)
+    os.makedirs(parent, exist_ok=True)
+    tmp = os.path.join(parent, f".{leaf}.merging-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    try:
+        summary = plan.write(tmp, progress)
+        _write_config_and_files(base_dir, tmp, output_format, plan.index_metadata)
+        _replace(tmp, out_dir)
+    except BaseException:  # an error, Ctrl-C: nothing that looks like a checkpoint stays behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    summary.out_dir = out_dir
+    return summary
+
+
+def _replace(tmp: str, out_dir: str) -> None:
+    """``tmp`` becomes ``out_dir`` (an existing one, allowed by overwrite, is removed after)."""
+    if not os.path.lexists(out_dir):
+        os.rename(tmp, out_dir)
+        return
+    old = tmp + ".replaced"
+    os.rename(out_dir, old)
+    os.rename(tmp, out_dir)
+    shutil.rmtree(old, ignore_errors=True) if os.path.isdir(old) else os.remove(old)
+
+
+# ---------------------------------------------------------------------------------------------
+# The adapter
+
+
+@dataclasses.dataclass
+class _Adapter:
+    scaling: float
+    r: int
+    linear: dict  # model key of a weight -> (A [r, in], B [out, r], adapter key of A)
+    experts: dict  # experts path -> {"gate_up" | "down": (A [E, r, in], B [E, out, r])}
+
+
+def _adapter_scaling(adapter_dir: str) -> tuple[int, float]:
+    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
+    if not os.path.isfile(path):
+        raise ValueError(f"{_WHO}: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
+    with open(path) as f:
+        config = json.load(f)
+    where = f"{_WHO}: {path}"
+    if config.get("peft_type", "LORA") != "LORA":
+        raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; a merge takes LoRA adapters")
+    r, alpha = config.get("r"), config.get("lora_alpha")
+    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
+        raise ValueError(f"{where}: needs an int r >= 1 and a number lora_alpha, got r={r!r}, lora_alpha={alpha!r}")
+    for key in ("use_dora", "lora_bias", "fan_in_fan_out"):
+        if config.get(key):
+            raise ValueError(f"{where}: {key}=true is not supported by the merge")
+    for key in ("rank_pattern", "alpha_pattern"):
+        if config.get(key):
+            raise ValueError(f"{where}: {key}={config[key]!r} is not supported (one rank and alpha for every module)")
+    return r, (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r)
+
+
+def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _Adapter:
+    """The adapter's LoRA factors, each checked against the base weight it changes (from the
+    headers): ValueError naming the first key that does not fit."""
+    from kt_ops.hf.loading import _logical_shape
+
+    r, scaling = _adapter_scaling(adapter_dir)
+    state = _read_adapter_weights(adapter_dir)
+    linear_parts: dict = {}
+    expert_parts: dict = {}
+    experts_paths = sorted(plan.experts_paths, key=len, reverse=True)
+    for key in sorted(state):
+        name = key[len(PEFT_MODEL_PREFIX):] if key.startswith(PEFT_MODEL_PREFIX) else key
+        path = next((p for p in experts_paths if name.startswith(p + ".")), None)
+        if path is not None:
+            m = _KEY_RE.match("experts." + name[len(path) + 1:])
+            if m is None:
+                raise ValueError(f"{_WHO}: adapter key {key!r}: not a LoRA factor of the experts {path}")
+            expert_parts.setdefault(path, {}).setdefault(m.group(1), {})[m.group(2)] = (key, state[key])
+            continue
+        m = _LINEAR_KEY.match(name)
+        if m is None:
+            raise ValueError(f"{_WHO}: adapter key {key!r}: a merge takes LoRA factors (<module>.lora_A.weight / "
+                             "lora_B.weight); embeddings' LoRA, DoRA magnitudes, LoRA biases and modules_to_save are "
+                             "not supported")
+        linear_parts.setdefault(m.group(1) + ".weight", {})[m.group(2)] = (key, state[key])
+
+    linear = {}
+    for target, pair in linear_parts.items():
+        if set(pair) != {"A", "B"}:
+            (key, _), = pair.values()
+            raise ValueError(f"{_WHO}: adapter key {key!r} has no lora_{'B' if 'A' in pair else 'A'} partner")
+        (a_key, a), (b_key, b) = pair["A"], pair["B"]
+        weight = weights_by_target.get(target)
+        if weight is None:
+            raise ValueError(f"{_WHO}: adapter key {a_key!r}: the base checkpoint has no weight {target} (an adapter "
+                             "for another architecture or number of layers?)")
+        if weight.converter is not None or weight.slot is not None:
+            raise ValueError(f"{_WHO}: adapter key {a_key!r}: {target} is built from several stored tensors by "
+                             "transformers' conversion; a merge writes LoRA into weights stored as the model holds them")
+        if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r or b.shape[1] != r:
+            bad = a_key if a.dim() != 2 or a.shape[0] != r else b_key
+            raise ValueError(f"{_WHO}: adapter key {bad!r}: shapes {tuple(a.shape)} / {tuple(b.shape)} do not have "
+                             f"the rank r={r} of {ADAPTER_CONFIG}")
+        out, inp = _logical_shape(weight.parts, stored.int8_is_fp4)[-2:]
+        if (b.shape[0], a.shape[1]) != (out, inp):
+            bad = a_key if a.shape[1] != inp else b_key
+            raise ValueError(f"{_WHO}: adapter key {bad!r}: LoRA of a [{b.shape[0]}, {a.shape[1]}] weight, but the "
+                             f"base's {weight.name} is [{out}, {inp}]")
+        linear[target] = (a, b, a_key)
+
+    experts = {}
+    for path, nestings in expert_parts.items():
+        E, two_i, H = plan.expert_shapes[path]
+        I = two_i // 2
+        factors = {}
+        for pair in nestings.values():
+            if set(pair) != {"A", "B"}:
+                (key, _), = pair.values()
+                raise ValueError(f"{_WHO}: adapter key {key!r} has no lora_{'B' if 'A' in pair else 'A'} partner")
+            (a_key, a), (b_key, b) = pair["A"], pair["B"]
+            if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r * E or b.shape[1] != r * E:
+                bad = a_key if a.dim() != 2 or a.shape[0] != r * E else b_key
+                raise ValueError(f"{_WHO}: adapter key {bad!r}: shapes {tuple(a.shape)} / {tuple(b.shape)}; {path} "
+                                 f"with E={E} experts and the rank r={r} of {ADAPTER_CONFIG} needs [r·E, in] / "
+                                 f"[out, r·E] = [{r * E}, in] / [out, {r * E}]")
+            proj = ("gate_up" if (a.shape[1], b.shape[0]) == (H, 2 * I) else
+                    "down" if (a.shape[1], b.shape[0]) == (I, H) else None)
+            if proj is None:
+                raise ValueError(f"{_WHO}: adapter key {a_key!r}: LoRA of a [{b.shape[0]}, {a.shape[1]}] matrix per "
+                                 f"expert fits neither gate_up_proj [{2 * I}, {H}] nor down_proj [{H}, {I}] of {path}")
+            if proj in factors:
+                raise ValueError(f"{_WHO}: adapter key {a_key!r}: a second LoRA for {path}'s {proj}_proj")
+            factors[proj] = peft_factors_to_kt(a, b, E)
+        experts[path] = factors
+    return _Adapter(scaling, r, linear, experts)
+
+
+# ---------------------------------------------------------------------------------------------
+# The plan: which stored tensors change, where each output tensor comes from
+
+
+@dataclasses.dataclass
+class _Unit:
+    """One stored matrix whose tensors are rewritten: its weight, its stored tensors by role,
+    and the output tensors (key -> PlannedTensor; the role each comes from)."""
+    weight: object  # loading._Weight
+    name: str  # the stored weight's key ("X.weight")
+    parts: dict  # role -> TensorRef
+    merged: bool  # gets a LoRA delta (else: only converted to bf16)
+    outputs: dict = dataclasses.field(default_factory=dict)  # output key -> (PlannedTensor, role or None)
+
+
+class _MergePlan:
+    """Everything checked from the headers, and the output shards planned, before writing."""
+
+    def __init__(self, base_dir: str, adapter_dir: str, output_format: str):
+        from accelerate import init_empty_weights
+        from transformers import AutoConfig
+
+        from kt_ops.hf.loading import _Plan, _build_model
+
+        self.output_format = output_format
+        self.files = shard_files(base_dir)
+        config = AutoConfig.from_pretrained(base_dir)
+        self.stored = CheckpointQuantization.from_config(getattr(config, "quantization_config", None)
+                                                         or fp4_checkpoints.hf_quant_config(base_dir))
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        with init_empty_weights(include_buffers=False), torch.random.fork_rng(devices=[]):
+            model = _build_model(config, torch.float32)
+        self.plan = _Plan(model, self.stored)
+        self.layouts = self.plan.layouts
+        self.refs = {f: tensor_refs(f) for f in self.files}
+        weights = self.plan.weights_of([ref for refs in self.refs.values() for ref in refs])
+        by_target = {w.target: w for w in weights if w.slot is None and w.converter is None}
+        self.adapter = _read_adapter(adapter_dir, self.plan, by_target, self.stored)
+        self.units = self._units(weights)
+        self.unit_of = {ref.key: unit for unit in self.units for ref in unit.parts.values()}
+        self.shards = self._shards()
+        self.index_metadata = {"total_size": sum(t.nbytes for planned in self.shards.values() for t, _ in planned)}
+
+    def _touched(self, weight) -> bool:
+        if weight.slot is None:
+            return weight.target in self.adapter.linear
+        factors = self.adapter.experts.get(weight.slot.path, {})
+        proj = weight.slot.proj
+        return ("down" if proj == "down_proj" else "gate_up" if proj in ("gate_up_proj", "gate_proj", "up_proj")
+                else None) in factors
+
+    def _units(self, weights) -> list[_Unit]:
+        units = []
+        for weight in weights:
+            merged = self._touched(weight)
+            for name, parts in weight.sources.items():
+                quantized = set(parts) != {"value"}
+                if not merged and not (quantized and self.output_format == "bf16"):
+                    continue
+                unit = _Unit(weight, name, parts, merged)
+                if merged and weight.slot is not None and weight.slot.expert is None and quantized:
+                    raise ValueError(f"{_WHO}: {name}: fused quantized experts ({sorted(parts)}) are not supported "
+                                     "by the merge yet")
+                if self.output_format == "same" or not quantized:
+                    if merged and self.output_format == "same":
+                        encode_like_check(parts, name)
+                    for role, ref in parts.items():
+                        unit.outputs[ref.key] = (PlannedTensor(ref.key, ref.dtype, ref.shape), role)
+                else:  # bf16: the one X.weight, in place of the stored values
+                    from kt_ops.hf.loading import _logical_shape
+                    shape = _logical_shape(parts, self.stored.int8_is_fp4)
+                    unit.outputs[name] = (PlannedTensor(name, "BF16", tuple(shape)), None)
+                units.append(unit)
+        return units
+
+    def _shards(self) -> dict:
+        """file -> [(PlannedTensor, source)] in the stored order; source: ("copy", begin, end)
+        or ("unit", unit, role)."""
+        shards, self.metadata = {}, {}
+        for file in self.files:
+            header, data_start, metadata = read_header(file)
+            self.metadata[file] = metadata
+            planned = []
+            for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
+                unit = self.unit_of.get(key)
+                if unit is None:
+                    begin, end = header[key]["data_offsets"]
+                    planned.append((PlannedTensor(key, header[key]["dtype"], tuple(header[key]["shape"])),
+                                    ("copy", data_start + begin, data_start + end)))
+                elif key in unit.outputs:
+                    out, role = unit.outputs[key]
+                    planned.append((out, ("unit", unit, role)))
+                elif self.output_format == "bf16" and _is_main_part(unit, key):
+                    out, _ = unit.outputs[unit.name]
+                    planned.append((out, ("unit", unit, None)))
+                # else: a scale of a weight written as bf16: dropped
+            shards[file] = planned
+        self.uses = {}  # unit id -> how many planned outputs it fills (freed once they are written)
+        for planned in shards.values():
+            for _, source in planned:
+                if source[0] == "unit":
+                    self.uses[id(source[1])] = self.uses.get(id(source[1]), 0) + 1
+        return shards
+
+    # -- writing
+
+    def write(self, out_dir: str, progress: bool) -> MergeSummary:
+        from transformers.utils.logging import tqdm
+
+        summary = MergeSummary(out_dir)
+        done: dict = {}  # unit id -> {role or None: tensor}, computed and not yet all written
+        left = dict(self.uses)
+        readers: dict = {}
+        total = sum(os.path.getsize(f) for f in self.files)
+        weight_map = {}
+        with tqdm(total=total, unit="B", unit_scale=True, desc="Merging adapter", disable=not progress) as bar:
+            for file in self.files:
+                planned = self.shards[file]
+                out_file = os.path.join(out_dir, os.path.basename(file))
+                shard = StreamingShard(out_file, [t for t, _ in planned], self.metadata[file])
+                try:
+                    for tensor, source in planned:
+                        if source[0] == "copy":
+                            shard.copy_from(tensor.key, file, source[1], source[2])
+                            summary.copied += 1
+                        else:
+                            _, unit, role = source
+                            if id(unit) not in done:
+                                done[id(unit)] = self._compute(unit, readers, summary)
+                            shard.write(tensor.key, done[id(unit)][role])
+                            left[id(unit)] -= 1
+                            if not left[id(unit)]:  # a unit spanning two shards waits for the second
+                                del done[id(unit)]
+                        weight_map[tensor.key] = os.path.basename(file)
+                    shard.close()
+                except BaseException:
+                    shard.abort()
+                    raise
+                summary.bytes_written += shard.bytes_written
+                for reader in readers.values():
+                    summary.bytes_read += reader.bytes_read
+                    reader.close()
+                readers.clear()
+                bar.update(os.path.getsize(file))
+        if os.path.isfile(os.path.join(os.path.dirname(self.files[0]), INDEX_FILE)):
+            with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+                json.dump({"metadata": self.index_metadata, "weight_map": weight_map}, f, indent=2)
+        return summary
+
+    def _compute(self, unit: _Unit, readers: dict, summary: MergeSummary) -> dict:
+        tensors = {}
+        for role, ref in unit.parts.items():
+            reader = readers.setdefault(ref.file, ShardReader(ref.file))
+            tensors[role] = reader.read(ref)
+        weight = self._decode(unit, tensors)
+        if unit.merged:
+            weight = weight + self._delta(unit.weight)
+            if not bool(torch.isfinite(weight).all()):
+                raise ValueError(f"{_WHO}: merging the adapter into {unit.name} gives NaN or inf values")
+        if self.output_format == "bf16" and set(unit.parts) != {"value"}:
+            result, changed = {None: weight.to(torch.bfloat16)}, [unit.name]
+            summary.converted.append(unit.name)
+        else:  # a merged weight in its stored format: only the tensors that change are new
+            encoded = encode_like(tensors, weight, unit.name)
+            result = {role: encoded.get(role, tensors[role]) for role in unit.parts}
+            changed = [ref.key for role, ref in unit.parts.items() if role in encoded]
+        if unit.merged:
+            summary.merged.extend(changed)
+        return result
+
+    def _decode(self, unit: _Unit, tensors: dict) -> Tensor:
+        """The stored weight as float32, in its logical shape."""
+        if set(tensors) == {"value"}:
+            return tensors["value"].float()
+        matrix = StoredMatrix.from_parts(tensors, unit.name, self.stored.gptq_stored_zero, self.stored.int8_is_fp4)
+        return matrix.to_float().float()
+
+    def _delta(self, weight) -> Tensor:
+        """``s·B·A`` for ``weight``, in its stored orientation, float32."""
+        s = self.adapter.scaling
+        if weight.slot is None:
+            a, b, _ = self.adapter.linear[weight.target]
+            return s * (b.float() @ a.float())
+        slot = weight.slot
+        proj = "down" if slot.proj == "down_proj" else "gate_up"
+        A, B = self.adapter.experts[slot.path][proj]
+        experts = slice(None) if slot.expert is None else slice(slot.expert, slot.expert + 1)
+        delta = s * torch.bmm(B[experts].float(), A[experts].float())  # [e, out, in], kt's orientation
+        if slot.proj in ("gate_proj", "up_proj"):
+            gate, up = ExpertsLayout(interleaved=self.layouts[slot.path].interleaved).split_gate_up(delta)
+            delta = gate if slot.proj == "gate_proj" else up
+        if slot.transposed:
+            delta = delta.transpose(1, 2)
+        return delta[0] if slot.expert is not None else delta.contiguous()
+
+
+def encode_like_check(parts: dict, name: str) -> None:
+    """ValueError, at planning time, for a stored form :func:`encode_like` does not write."""
+    roles = set(parts)
+    if roles <= {"value", "value_scale"} or "qweight" in roles or "packed" in roles:
+        return
+    raise ValueError(f"{_WHO}: {name} is stored as {sorted(roles)} (FP4); merging into FP4 checkpoints in their own "
+                     "format is not supported yet: use output_format='bf16'")
+
+
+def _is_main_part(unit: _Unit, key: str) -> bool:
+    """Whether ``key`` is the stored values of ``unit`` (where its bf16 X.weight is written)."""
+    main = next((r for r in ("qweight", "packed", "fp4_packed", "mx_blocks", "value") if r in unit.parts), None)
+    return main is not None and unit.parts[main].key == key
+
+
+def _write_config_and_files(base_dir: str, out_dir: str, output_format: str, index_metadata: dict) -> None:
+    """config.json (without quantization_config when written as bf16) and every other
+    non-weight file of the base (tokenizer, generation config, chat template ...)."""
+    for entry in sorted(os.listdir(base_dir)):
+        src = os.path.join(base_dir, entry)
+        if not os.path.isfile(src) or entry.endswith(".safetensors") or entry in (INDEX_FILE, "config.json"):
+            continue
+        if output_format == "bf16" and entry == fp4_checkpoints.HF_QUANT_CONFIG:
+            continue
+        shutil.copy2(src, os.path.join(out_dir, entry))
+    with open(os.path.join(base_dir, "config.json")) as f:
+        config = json.load(f)
+    if output_format == "bf16":
+        config.pop("quantization_config", None)
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(config, f, indent=2, sort_keys=True)

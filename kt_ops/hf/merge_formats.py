@@ -1,0 +1,129 @@
+"""A merged float32 weight written back in the format its checkpoint stores it in.
+
+The inverse of :class:`~kt_ops.hf.checkpoint_formats.StoredMatrix`'s reading, for the stored
+forms a merge writes "same" (see :mod:`kt_ops.hf.merge`): float tensors are cast to their
+dtype; FP8 (``X.weight`` float8_e4m3fn with one scale per 128x128 block, per output row or for
+the tensor) and INT8 get new scales of the same shape and dtype; compressed-tensors'
+pack-quantized INT4 and GPTQ's INT4 get new group scales and 4-bit values, packed as stored
+(GPTQ's ``qzeros`` and ``g_idx`` stay as they are: symmetric weights, groups in order). All are
+symmetric: scale = amax / qmax (448, 127, 7), rounded to the stored scale's dtype first so that
+the values are quantized with the scale a reader will use.
+
+:func:`encode_like` returns only the tensors that change, by role, in their stored dtypes and
+shapes. The reference for each is :func:`~kt_ops.hf.checkpoint_formats.StoredMatrix.to_float`:
+the tests decode what is written and compare.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from kt_ops import quantization
+
+_BLOCK = quantization.FP8_BLOCK
+_E4M3_MAX = 448.0
+
+
+def stored_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
+    """``scale`` (float32, > 0 where it matters) in a checkpoint's scale dtype: float32, bfloat16
+    or float16 rounded to nearest; E8M0 (``uint8`` or ``float8_e8m0fnu``: DeepSeek's ue8m0)
+    rounded up to a power of two, so that no value overflows. A zero scale (an all-zero block
+    or group) becomes 1: its values are 0 whatever the scale."""
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    if dtype in (torch.uint8, torch.float8_e8m0fnu):
+        power = torch.exp2(torch.ceil(torch.log2(scale)))
+        e8m0 = power.to(torch.float8_e8m0fnu)
+        return e8m0.view(torch.uint8) if dtype == torch.uint8 else e8m0
+    return scale.to(dtype)
+
+
+def scale_values(stored: Tensor) -> Tensor:
+    """The float32 values of scales in a checkpoint's dtype (E8M0 bytes included)."""
+    if stored.dtype == torch.uint8:
+        stored = stored.view(torch.float8_e8m0fnu)
+    return stored.float()
+
+
+def _fp8(w: Tensor, scale_like: Tensor) -> dict[str, Tensor]:
+    """FP8 values and scales shaped like ``scale_like``: a 128x128 block grid, one per output
+    row (``[out, 1]`` / ``[out]``) or one for the tensor."""
+    out, inp = w.shape
+    grid = quantization.fp8_scale_grid(out, inp)
+    if tuple(scale_like.shape) == grid:
+        ob, ib = grid
+        padded = F.pad(w, (0, ib * _BLOCK - inp, 0, ob * _BLOCK - out))
+        amax = padded.abs().reshape(ob, _BLOCK, ib, _BLOCK).amax(dim=(1, 3))
+        scale = stored_scale(amax / _E4M3_MAX, scale_like.dtype)
+        full = scale_values(scale).repeat_interleave(_BLOCK, 0).repeat_interleave(_BLOCK, 1)[:out, :inp]
+    elif scale_like.numel() == out and out > 1 or tuple(scale_like.shape) in ((out, 1), (out,)):
+        scale = stored_scale(w.abs().amax(dim=1) / _E4M3_MAX, scale_like.dtype).reshape(scale_like.shape)
+        full = scale_values(scale).reshape(out, 1)
+    elif scale_like.numel() == 1:
+        scale = stored_scale(w.abs().amax().reshape(1) / _E4M3_MAX, scale_like.dtype).reshape(scale_like.shape)
+        full = scale_values(scale).reshape(1, 1)
+    else:
+        raise ValueError(f"FP8 scales of shape {tuple(scale_like.shape)} for a [{out}, {inp}] weight")
+    values = (w / full).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
+    return {"value": values, "value_scale": scale}
+
+
+def _int8(w: Tensor, scale_like: Tensor) -> dict[str, Tensor]:
+    """INT8 values with one scale per output row, or one for the tensor, shaped like ``scale_like``."""
+    per_row = scale_like.numel() != 1
+    amax = w.abs().amax(dim=1) if per_row else w.abs().amax().reshape(1)
+    scale = stored_scale(amax / 127.0, scale_like.dtype).reshape(scale_like.shape)
+    full = scale_values(scale).reshape(-1, 1)
+    return {"value": torch.round(w / full).clamp(-127, 127).to(torch.int8), "value_scale": scale}
+
+
+def _int4_codes(w: Tensor, groups: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """(the 4-bit codes q + 8 of ``w [out, in]`` as kt's bytes ``[out, in/2]`` (column 2j in the
+    low nibble of byte j), the scales ``[out, groups]`` in ``scale_dtype``)."""
+    out, inp = w.shape
+    grouped = w.reshape(out, groups, inp // groups)
+    scale = stored_scale(grouped.abs().amax(dim=2) / 7.0, scale_dtype)
+    q = torch.round(grouped / scale_values(scale)[:, :, None]).clamp(-8, 7).to(torch.int16) + 8
+    q = q.reshape(out, inp).to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scale
+
+
+def _compressed_int4(w: Tensor, scale_like: Tensor) -> dict[str, Tensor]:
+    """compressed-tensors' pack-quantized INT4: ``weight_packed`` int32 ``[out, in/8]`` whose
+    little-endian bytes are kt's int4 bytes, ``weight_scale [out, in/g]``."""
+    codes, scale = _int4_codes(w, scale_like.shape[1], scale_like.dtype)
+    return {"packed": codes.view(torch.int32), "group_scale": scale}
+
+
+def _gptq(w: Tensor, scales_like: Tensor) -> dict[str, Tensor]:
+    """GPTQ's INT4: ``qweight`` int32 ``[in/8, out]`` (eight input rows of one output column per
+    word, row 8k + j at bits 4j: kt's bytes of a row, transposed by 4-byte words),
+    ``scales [in/g, out]``."""
+    out, inp = w.shape
+    codes, scale = _int4_codes(w, scales_like.shape[0], scales_like.dtype)
+    words = inp // 8
+    qweight = codes.reshape(out, words, 4).transpose(0, 1).contiguous().view(torch.int32).reshape(words, out)
+    return {"qweight": qweight, "gptq_scales": scale.t().contiguous()}
+
+
+def encode_like(parts: dict[str, Tensor], merged: Tensor, name: str) -> dict[str, Tensor]:
+    """``merged`` (float32, the weight's logical shape) stored as ``parts`` (the weight's
+    stored tensors by role, see :meth:`CheckpointQuantization.split_role`) are: the tensors
+    that change, by role, each in its stored dtype and shape. ValueError naming the weight
+    for a stored form a merge does not write (FP4)."""
+    if "qweight" in parts:
+        return _gptq(merged, parts["gptq_scales"])
+    if "packed" in parts:
+        return _compressed_int4(merged, parts["group_scale"])
+    if "value" not in parts or set(parts) - {"value", "value_scale"}:
+        raise ValueError(f"merge: {name} is stored as {sorted(parts)} (FP4); merging into FP4 checkpoints in their "
+                         "own format is not supported yet: use output_format='bf16'")
+    value = parts["value"]
+    if value.dtype == torch.float8_e4m3fn:
+        return _fp8(merged, parts["value_scale"])
+    if value.dtype == torch.int8 and value.shape == merged.shape:
+        return _int8(merged, parts["value_scale"])
+    if value.dtype.is_floating_point and "value_scale" not in parts:
+        return {"value": merged.to(value.dtype)}
+    raise ValueError(f"merge: {name} is stored as {value.dtype} {tuple(value.shape)} with {sorted(parts)}; a merge "
+                     "writes float, FP8, INT8, compressed-tensors INT4 and GPTQ INT4 weights in their own format")
