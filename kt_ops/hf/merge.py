@@ -393,7 +393,7 @@ class _MergePlan:
             tensors[role] = reader.read(ref)
         weight = self._decode(unit, tensors)
         if unit.merged:
-            weight = weight + self._delta(unit.weight)
+            self._add_delta(weight, unit.weight)
             if not bool(torch.isfinite(weight).all()):
                 raise ValueError(f"{_WHO}: merging the adapter into {unit.name} gives NaN or inf values")
         if self.output_format == "bf16" and set(unit.parts) != {"value"}:
@@ -410,27 +410,28 @@ class _MergePlan:
     def _decode(self, unit: _Unit, tensors: dict) -> Tensor:
         """The stored weight as float32, in its logical shape."""
         if set(tensors) == {"value"}:
-            return tensors["value"].float()
+            return tensors["value"].to(torch.float32, copy=True)
         matrix = StoredMatrix.from_parts(tensors, unit.name, self.stored.gptq_stored_zero, self.stored.int8_is_fp4)
         return matrix.to_float().float()
 
-    def _delta(self, weight) -> Tensor:
-        """``s·B·A`` for ``weight``, in its stored orientation, float32."""
+    def _add_delta(self, merged: Tensor, weight) -> None:
+        """``merged += s·B·A`` for ``weight`` (float32, its stored orientation), in place and one
+        expert at a time for fused experts, so that no second layer-sized tensor is made."""
         s = self.adapter.scaling
         if weight.slot is None:
             a, b, _ = self.adapter.linear[weight.target]
-            return s * (b.float() @ a.float())
+            merged.add_(b.float() @ a.float(), alpha=s)
+            return
         slot = weight.slot
-        proj = "down" if slot.proj == "down_proj" else "gate_up"
-        A, B = self.adapter.experts[slot.path][proj]
-        experts = slice(None) if slot.expert is None else slice(slot.expert, slot.expert + 1)
-        delta = s * torch.bmm(B[experts].float(), A[experts].float())  # [e, out, in], kt's orientation
-        if slot.proj in ("gate_proj", "up_proj"):
-            gate, up = ExpertsLayout(interleaved=self.layouts[slot.path].interleaved).split_gate_up(delta)
-            delta = gate if slot.proj == "gate_proj" else up
-        if slot.transposed:
-            delta = delta.transpose(1, 2)
-        return delta[0] if slot.expert is not None else delta.contiguous()
+        A, B = self.adapter.experts[slot.path]["down" if slot.proj == "down_proj" else "gate_up"]
+        layout = ExpertsLayout(interleaved=self.layouts[slot.path].interleaved)
+        for e in range(A.shape[0]) if slot.expert is None else (slot.expert,):
+            delta = B[e].float() @ A[e].float()  # [out, in], kt's orientation
+            if slot.proj in ("gate_proj", "up_proj"):
+                gate, up = layout.split_gate_up(delta[None])
+                delta = (gate if slot.proj == "gate_proj" else up)[0]
+            target = merged if slot.expert is not None else merged[e]
+            target.add_(delta.t() if slot.transposed else delta, alpha=s)
 
 
 def encode_like_check(parts: dict, name: str) -> None:
