@@ -33,16 +33,17 @@ from typing import Optional, Union
 import torch
 from torch import Tensor
 
+from kt_ops import quantization
 from kt_ops.distributed import PEFT_MODEL_PREFIX
 from kt_ops.hf import fp4_checkpoints
 from kt_ops.hf.adapters import ADAPTER_CONFIG, _KEY_RE, _read_adapter_weights, peft_factors_to_kt
 from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
 from kt_ops.hf.expert_layout import ExpertsLayout
-from kt_ops.hf.merge_formats import encode_like
-from kt_ops.hf.shard_writer import PlannedTensor, ST_DTYPES, StreamingShard, read_header
-from kt_ops.hf.shards import INDEX_FILE, ShardReader, TensorRef, shard_files, tensor_refs
+from kt_ops.hf.merge_formats import CONVERSIONS, check_writable, converted_layout, encode_as, encode_like, quantization_config
+from kt_ops.hf.shard_writer import PlannedTensor, StreamingShard, read_header
+from kt_ops.hf.shards import INDEX_FILE, ShardReader, shard_files, tensor_refs
 
-OUTPUT_FORMATS = ("same", "bf16")
+OUTPUT_FORMATS = ("same",) + CONVERSIONS
 _LINEAR_KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
 _WHO = "merge_adapter"
 
@@ -61,8 +62,8 @@ class MergeSummary:
 
 
 def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.PathLike],
-                  out_dir: Union[str, os.PathLike], *, output_format: str = "same", progress: bool = True,
-                  overwrite: bool = False) -> MergeSummary:
+                  out_dir: Union[str, os.PathLike], *, output_format: str = "same", group_size: int = 32,
+                  progress: bool = True, overwrite: bool = False) -> MergeSummary:
     """Merge the PEFT-format adapter ``adapter_dir`` (what :func:`kt_ops.hf.save_adapter`
     writes: kt's expert LoRA, and PEFT's LoRA on attention or other linear modules) into the
     checkpoint ``base_dir`` and write the result to ``out_dir``.
@@ -71,7 +72,12 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
     128x128 block, per-row or per-tensor scales, DeepSeek's or compressed-tensors'; INT8;
     compressed-tensors pack-quantized INT4; GPTQ INT4), requantizing only the weights the
     adapter changes; ``"bf16"`` writes every quantized weight dequantized as a bf16
-    ``X.weight`` (float tensors keep their dtype) and drops ``quantization_config``.
+    ``X.weight`` (float tensors keep their dtype) and drops ``quantization_config``;
+    ``"fp8"`` (DeepSeek-V3's 128x128 blocks, ``quant_method: fp8``), ``"int8"`` and
+    ``"int4"`` (compressed-tensors' int-quantized per channel and pack-quantized, groups of
+    ``group_size``) quantize the weights of every ``nn.Linear`` but the output embeddings and
+    every routed expert's (experts stored one per expert), other quantized weights written as
+    bf16. A base already in that format is merged as ``"same"``.
 
     The output has the base's shard files and index, its ``config.json`` (with a
     ``quantization_config`` describing what was written) and every other file of ``base_dir``
@@ -98,7 +104,9 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
     if os.path.lexists(out_dir) and not overwrite:
         raise ValueError(f"{_WHO}: out_dir {out_dir!r} exists; pass overwrite=True (--overwrite) to replace it")
 
-    plan = _MergePlan(base_dir, adapter_dir, output_format)  # every check; nothing written yet
+    if output_format == "int4" and group_size not in quantization.GROUP_SIZES:
+        raise ValueError(f"{_WHO}: group_size must be one of {quantization.GROUP_SIZES}, got {group_size!r}")
+    plan = _MergePlan(base_dir, adapter_dir, output_format, group_size)  # every check; nothing written yet
     parent, leaf = os.path.split(out_dir)
     os.makedirs(parent, exist_ok=True)
     tmp = os.path.join(parent, f".{leaf}.merging-{os.getpid()}")
@@ -106,7 +114,7 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
     os.makedirs(tmp)
     try:
         summary = plan.write(tmp, progress)
-        _write_config_and_files(base_dir, tmp, output_format, plan.index_metadata)
+        _write_config_and_files(base_dir, tmp, plan)
         _replace(tmp, out_dir)
     except BaseException:  # an error, Ctrl-C: nothing that looks like a checkpoint stays behind
         shutil.rmtree(tmp, ignore_errors=True)
@@ -242,35 +250,49 @@ def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _A
 
 @dataclasses.dataclass
 class _Unit:
-    """One stored matrix whose tensors are rewritten: its weight, its stored tensors by role,
-    and the output tensors (key -> PlannedTensor; the role each comes from)."""
+    """One stored matrix that is rewritten: its weight, its stored tensors by role, whether it
+    gets a LoRA delta, and how it is written: ``kind`` "same" (its own tensors, re-encoded) or
+    one of merge_formats.CONVERSIONS; ``outputs`` [(PlannedTensor, what: a role for "same",
+    else the output key)]."""
     weight: object  # loading._Weight
     name: str  # the stored weight's key ("X.weight")
     parts: dict  # role -> TensorRef
-    merged: bool  # gets a LoRA delta (else: only converted to bf16)
-    outputs: dict = dataclasses.field(default_factory=dict)  # output key -> (PlannedTensor, role or None)
+    merged: bool
+    kind: str
+    outputs: list = dataclasses.field(default_factory=list)
+
+    @property
+    def main_key(self) -> str:
+        """The stored values' key: where a converted weight's tensors are written."""
+        role = next(r for r in ("qweight", "packed", "fp4_packed", "mx_blocks", "value") if r in self.parts)
+        return self.parts[role].key
 
 
 class _MergePlan:
     """Everything checked from the headers, and the output shards planned, before writing."""
 
-    def __init__(self, base_dir: str, adapter_dir: str, output_format: str):
+    def __init__(self, base_dir: str, adapter_dir: str, output_format: str, group_size: int):
         from accelerate import init_empty_weights
         from transformers import AutoConfig
 
         from kt_ops.hf.loading import _Plan, _build_model
 
-        self.output_format = output_format
         self.files = shard_files(base_dir)
         config = AutoConfig.from_pretrained(base_dir)
         self.stored = CheckpointQuantization.from_config(getattr(config, "quantization_config", None)
                                                          or fp4_checkpoints.hf_quant_config(base_dir))
+        self.output_format, self.group_size = self._resolve(output_format, group_size), group_size
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         with init_empty_weights(include_buffers=False), torch.random.fork_rng(devices=[]):
             model = _build_model(config, torch.float32)
         self.plan = _Plan(model, self.stored)
         self.layouts = self.plan.layouts
+        # the weights of nn.Linear modules (what transformers' and compressed-tensors' quantizers
+        # quantize), but the output embeddings
+        head = model.get_output_embeddings()
+        self.linear = {f"{n}.weight" for n, m in model.named_modules()
+                       if isinstance(m, torch.nn.Linear) and m is not head}
         self.refs = {f: tensor_refs(f) for f in self.files}
         weights = self.plan.weights_of([ref for refs in self.refs.values() for ref in refs])
         by_target = {w.target: w for w in weights if w.slot is None and w.converter is None}
@@ -279,6 +301,19 @@ class _MergePlan:
         self.unit_of = {ref.key: unit for unit in self.units for ref in unit.parts.values()}
         self.shards = self._shards()
         self.index_metadata = {"total_size": sum(t.nbytes for planned in self.shards.values() for t, _ in planned)}
+        converted = {u.weight.target for u in self.units if u.kind == self.output_format}
+        self.not_converted = sorted(t[: -len(".weight")] for t in self.linear - converted) + (
+            ["lm_head"] if head is not None else [])
+
+    def _resolve(self, output_format: str, group_size: int) -> str:
+        """"same" where the base already stores ``output_format`` as it would be written."""
+        s = self.stored
+        if ((output_format == "fp8" and (s.method, s.quant_method) == ("fp8", "fp8"))
+                or (output_format == "int8" and s.method == "int8")
+                or (output_format == "int4" and (s.method, s.quant_method, s.group_size)
+                    == ("int4", "compressed-tensors", group_size))):
+            return "same"
+        return output_format
 
     def _touched(self, weight) -> bool:
         if weight.slot is None:
@@ -288,33 +323,56 @@ class _MergePlan:
         return ("down" if proj == "down_proj" else "gate_up" if proj in ("gate_up_proj", "gate_proj", "up_proj")
                 else None) in factors
 
+    def _kind(self, weight, name: str, parts: dict, merged: bool) -> Optional[str]:
+        """How one stored matrix is written (None: copied as it is)."""
+        from kt_ops.hf.loading import _logical_shape
+
+        quantized = set(parts) != {"value"}
+        fmt = self.output_format
+        if fmt in ("fp8", "int8", "int4") and weight.converter is None:
+            shape = _logical_shape(parts, self.stored.int8_is_fp4)
+            slot = weight.slot
+            if slot is not None and slot.expert is None and slot.proj in ("gate_up_proj", "down_proj"):
+                raise ValueError(f"{_WHO}: {name}: experts stored fused (one tensor for all experts); "
+                                 f"output_format={fmt!r} writes experts stored one per expert (the hub layout); use "
+                                 "'same' or 'bf16'")
+            if (weight.target in self.linear if slot is None else slot.proj in ("gate_proj", "up_proj", "down_proj")) \
+                    and len(shape) == 2 and (fmt != "int4" or shape[1] % self.group_size == 0):
+                return fmt
+        if fmt != "same" and quantized:
+            return "bf16"
+        if merged:
+            if fmt == "same" and weight.slot is not None and weight.slot.expert is None and quantized:
+                raise ValueError(f"{_WHO}: {name}: fused quantized experts ({sorted(parts)}) are not supported by "
+                                 "the merge yet")
+            if quantized:
+                check_writable(parts, name)
+            return "same"
+        return None
+
     def _units(self, weights) -> list[_Unit]:
+        from kt_ops.hf.loading import _logical_shape
+
         units = []
         for weight in weights:
             merged = self._touched(weight)
             for name, parts in weight.sources.items():
-                quantized = set(parts) != {"value"}
-                if not merged and not (quantized and self.output_format == "bf16"):
+                kind = self._kind(weight, name, parts, merged)
+                if kind is None:
                     continue
-                unit = _Unit(weight, name, parts, merged)
-                if merged and weight.slot is not None and weight.slot.expert is None and quantized:
-                    raise ValueError(f"{_WHO}: {name}: fused quantized experts ({sorted(parts)}) are not supported "
-                                     "by the merge yet")
-                if self.output_format == "same" or not quantized:
-                    if merged and self.output_format == "same":
-                        encode_like_check(parts, name)
-                    for role, ref in parts.items():
-                        unit.outputs[ref.key] = (PlannedTensor(ref.key, ref.dtype, ref.shape), role)
-                else:  # bf16: the one X.weight, in place of the stored values
-                    from kt_ops.hf.loading import _logical_shape
-                    shape = _logical_shape(parts, self.stored.int8_is_fp4)
-                    unit.outputs[name] = (PlannedTensor(name, "BF16", tuple(shape)), None)
+                unit = _Unit(weight, name, parts, merged, kind)
+                if kind == "same":
+                    unit.outputs = [(PlannedTensor(ref.key, ref.dtype, ref.shape), role) for role, ref in parts.items()]
+                else:
+                    shape = tuple(_logical_shape(parts, self.stored.int8_is_fp4))
+                    unit.outputs = [(PlannedTensor(key, dtype, tuple(shape_)), key)
+                                    for key, dtype, shape_ in converted_layout(kind, name, shape, self.group_size)]
                 units.append(unit)
         return units
 
     def _shards(self) -> dict:
         """file -> [(PlannedTensor, source)] in the stored order; source: ("copy", begin, end)
-        or ("unit", unit, role)."""
+        or ("unit", unit, role or output key)."""
         shards, self.metadata = {}, {}
         for file in self.files:
             header, data_start, metadata = read_header(file)
@@ -326,13 +384,12 @@ class _MergePlan:
                     begin, end = header[key]["data_offsets"]
                     planned.append((PlannedTensor(key, header[key]["dtype"], tuple(header[key]["shape"])),
                                     ("copy", data_start + begin, data_start + end)))
-                elif key in unit.outputs:
-                    out, role = unit.outputs[key]
-                    planned.append((out, ("unit", unit, role)))
-                elif self.output_format == "bf16" and _is_main_part(unit, key):
-                    out, _ = unit.outputs[unit.name]
-                    planned.append((out, ("unit", unit, None)))
-                # else: a scale of a weight written as bf16: dropped
+                elif unit.kind == "same":
+                    planned.extend((out, ("unit", unit, role)) for out, role in unit.outputs
+                                   if unit.parts[role].key == key)
+                elif key == unit.main_key:  # a converted weight's tensors, where its values were
+                    planned.extend((out, ("unit", unit, what)) for out, what in unit.outputs)
+                # else: a scale of a converted weight: replaced by its outputs
             shards[file] = planned
         self.uses = {}  # unit id -> how many planned outputs it fills (freed once they are written)
         for planned in shards.values():
@@ -387,6 +444,7 @@ class _MergePlan:
         return summary
 
     def _compute(self, unit: _Unit, readers: dict, summary: MergeSummary) -> dict:
+        """The unit's output tensors, by role ("same") or output key."""
         tensors = {}
         for role, ref in unit.parts.items():
             reader = readers.setdefault(ref.file, ShardReader(ref.file))
@@ -396,13 +454,14 @@ class _MergePlan:
             self._add_delta(weight, unit.weight)
             if not bool(torch.isfinite(weight).all()):
                 raise ValueError(f"{_WHO}: merging the adapter into {unit.name} gives NaN or inf values")
-        if self.output_format == "bf16" and set(unit.parts) != {"value"}:
-            result, changed = {None: weight.to(torch.bfloat16)}, [unit.name]
-            summary.converted.append(unit.name)
-        else:  # a merged weight in its stored format: only the tensors that change are new
+        if unit.kind == "same":  # only the tensors that change are new
             encoded = encode_like(tensors, weight, unit.name)
             result = {role: encoded.get(role, tensors[role]) for role in unit.parts}
             changed = [ref.key for role, ref in unit.parts.items() if role in encoded]
+        else:
+            result = encode_as(unit.kind, weight, unit.name, self.group_size)
+            changed = list(result)
+            summary.converted.append(unit.name)
         if unit.merged:
             summary.merged.extend(changed)
         return result
@@ -434,34 +493,22 @@ class _MergePlan:
             target.add_(delta.t() if slot.transposed else delta, alpha=s)
 
 
-def encode_like_check(parts: dict, name: str) -> None:
-    """ValueError, at planning time, for a stored form :func:`encode_like` does not write."""
-    roles = set(parts)
-    if roles <= {"value", "value_scale"} or "qweight" in roles or "packed" in roles:
-        return
-    raise ValueError(f"{_WHO}: {name} is stored as {sorted(roles)} (FP4); merging into FP4 checkpoints in their own "
-                     "format is not supported yet: use output_format='bf16'")
-
-
-def _is_main_part(unit: _Unit, key: str) -> bool:
-    """Whether ``key`` is the stored values of ``unit`` (where its bf16 X.weight is written)."""
-    main = next((r for r in ("qweight", "packed", "fp4_packed", "mx_blocks", "value") if r in unit.parts), None)
-    return main is not None and unit.parts[main].key == key
-
-
-def _write_config_and_files(base_dir: str, out_dir: str, output_format: str, index_metadata: dict) -> None:
-    """config.json (without quantization_config when written as bf16) and every other
+def _write_config_and_files(base_dir: str, out_dir: str, plan: _MergePlan) -> None:
+    """config.json, its quantization_config describing what was written, and every other
     non-weight file of the base (tokenizer, generation config, chat template ...)."""
+    fmt = plan.output_format
     for entry in sorted(os.listdir(base_dir)):
         src = os.path.join(base_dir, entry)
         if not os.path.isfile(src) or entry.endswith(".safetensors") or entry in (INDEX_FILE, "config.json"):
             continue
-        if output_format == "bf16" and entry == fp4_checkpoints.HF_QUANT_CONFIG:
-            continue
+        if fmt != "same" and entry == fp4_checkpoints.HF_QUANT_CONFIG:
+            continue  # ModelOpt's: describes the base's quantization
         shutil.copy2(src, os.path.join(out_dir, entry))
     with open(os.path.join(base_dir, "config.json")) as f:
         config = json.load(f)
-    if output_format == "bf16":
+    if fmt != "same":
         config.pop("quantization_config", None)
+    if fmt in ("fp8", "int8", "int4"):
+        config["quantization_config"] = quantization_config(fmt, plan.group_size, plan.not_converted)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)

@@ -106,6 +106,16 @@ def _gptq(w: Tensor, scales_like: Tensor) -> dict[str, Tensor]:
     return {"qweight": qweight, "gptq_scales": scale.t().contiguous()}
 
 
+def check_writable(parts: dict, name: str) -> None:
+    """ValueError naming the weight for a stored form :func:`encode_like` does not write (FP4):
+    at planning time, before anything is written."""
+    roles = set(parts)
+    if roles <= {"value", "value_scale"} or "qweight" in roles or "packed" in roles:
+        return
+    raise ValueError(f"merge: {name} is stored as {sorted(roles)} (FP4); merging into FP4 checkpoints in their own "
+                     "format is not supported yet: use output_format='bf16'")
+
+
 def encode_like(parts: dict[str, Tensor], merged: Tensor, name: str) -> dict[str, Tensor]:
     """``merged`` (float32, the weight's logical shape) stored as ``parts`` (the weight's
     stored tensors by role, see :meth:`CheckpointQuantization.split_role`) are: the tensors
@@ -127,3 +137,69 @@ def encode_like(parts: dict[str, Tensor], merged: Tensor, name: str) -> dict[str
         return {"value": merged.to(value.dtype)}
     raise ValueError(f"merge: {name} is stored as {value.dtype} {tuple(value.shape)} with {sorted(parts)}; a merge "
                      "writes float, FP8, INT8, compressed-tensors INT4 and GPTQ INT4 weights in their own format")
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing a weight in another format than the base's (output_format "bf16", "fp8", "int8", "int4")
+
+CONVERSIONS = ("bf16", "fp8", "int8", "int4")
+
+
+def _prefix(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def converted_layout(kind: str, name: str, shape: tuple, group_size: int) -> list[tuple[str, str, tuple]]:
+    """``[(key, safetensors dtype, shape)]`` of the tensors weight ``name`` (logical ``shape``
+    ``[out, in]``) is written as in ``kind``: bf16 ``X.weight``; FP8 as DeepSeek-V3 stores it
+    (``X.weight`` float8_e4m3fn, ``X.weight_scale_inv`` float32 per 128x128 block, which
+    transformers' FP8 loader reads); INT8 and INT4 as compressed-tensors stores them
+    (``X.weight`` int8 with ``X.weight_scale [out, 1]``; ``X.weight_packed`` int32
+    ``[out, in/8]``, ``X.weight_scale`` bf16 ``[out, in/g]``, ``X.weight_shape``)."""
+    out, inp = shape
+    p = _prefix(name)
+    if kind == "bf16":
+        return [(name, "BF16", (out, inp))]
+    if kind == "fp8":
+        return [(name, "F8_E4M3", (out, inp)), (p + ".weight_scale_inv", "F32", quantization.fp8_scale_grid(out, inp))]
+    if kind == "int8":
+        return [(name, "I8", (out, inp)), (p + ".weight_scale", "F32", (out, 1))]
+    if kind == "int4":
+        return [(p + ".weight_packed", "I32", (out, inp // 8)), (p + ".weight_scale", "BF16", (out, inp // group_size)),
+                (p + ".weight_shape", "I64", (2,))]
+    raise ValueError(f"unknown output kind {kind!r}")
+
+
+def encode_as(kind: str, merged: Tensor, name: str, group_size: int) -> dict[str, Tensor]:
+    """``merged`` (float32 ``[out, in]``) as the tensors :func:`converted_layout` names."""
+    out, inp = merged.shape
+    p = _prefix(name)
+    if kind == "bf16":
+        return {name: merged.to(torch.bfloat16)}
+    if kind == "fp8":
+        t = _fp8(merged, torch.empty(quantization.fp8_scale_grid(out, inp)))
+        return {name: t["value"], p + ".weight_scale_inv": t["value_scale"]}
+    if kind == "int8":
+        t = _int8(merged, torch.empty(out, 1))
+        return {name: t["value"], p + ".weight_scale": t["value_scale"]}
+    if kind == "int4":
+        t = _compressed_int4(merged, torch.empty(out, inp // group_size, dtype=torch.bfloat16))
+        return {p + ".weight_packed": t["packed"], p + ".weight_scale": t["group_scale"],
+                p + ".weight_shape": torch.tensor([out, inp], dtype=torch.int64)}
+    raise ValueError(f"unknown output kind {kind!r}")
+
+
+def quantization_config(kind: str, group_size: int, not_converted: list[str]) -> dict:
+    """The ``quantization_config`` of a checkpoint whose linear weights and routed experts are
+    written in ``kind`` ("fp8", "int8", "int4"), the modules ``not_converted`` left float."""
+    if kind == "fp8":
+        return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                "weight_block_size": [quantization.FP8_BLOCK] * 2, "modules_to_not_convert": not_converted}
+    bits, strategy, fmt = {"int8": (8, "channel", "int-quantized"), "int4": (4, "group", "pack-quantized")}[kind]
+    weights = {"num_bits": bits, "type": "int", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "group_size": group_size if kind == "int4" else None, "block_structure": None, "actorder": None,
+               "observer": "minmax", "observer_kwargs": {}}
+    return {"quant_method": "compressed-tensors", "format": fmt, "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": None,
+                                          "output_activations": None, "format": fmt}},
+            "ignore": not_converted, "kv_cache_scheme": None}
