@@ -195,3 +195,14 @@ def test_trl_sft_benchmark_times_both_modes():
     assert [r["config"] for r in rows] == list(trl_sft.CONFIGS)
     assert all(r["median"] > 0 for r in rows)
     assert rows[1]["tokens_per_step"] > rows[0]["tokens_per_step"]
+
+
+def test_generate_decode_compares_both_models_with_and_without_adapter():
+    """benchmarks/generate_decode.py --smoke: kt and transformers both decode, in every dtype,
+    with and without the adapter, and (fp32) produce the same tokens."""
+    from benchmarks import generate_decode
+
+    rows = generate_decode.main(["--smoke"])
+    assert [(r["dtype"], r["adapter"]) for r in rows] == [(d, a) for d in ("bf16", "fp32") for a in ("no", "yes")]
+    assert all(r["transformers"] > 0 and r["kt"] > 0 for r in rows)
+    assert all(r["same_tokens"] for r in rows if r["dtype"] == "fp32")
