@@ -206,3 +206,16 @@ def test_generate_decode_compares_both_models_with_and_without_adapter():
     assert [(r["dtype"], r["adapter"]) for r in rows] == [(d, a) for d in ("bf16", "fp32") for a in ("no", "yes")]
     assert all(r["transformers"] > 0 and r["kt"] > 0 for r in rows)
     assert all(r["same_tokens"] for r in rows if r["dtype"] == "fp32")
+
+
+def test_merge_throughput_times_bf16_and_fp8_bases():
+    """benchmarks/merge_throughput.py --smoke: each case merges (attention and experts of every
+    layer) in a fresh process whose peak memory it reads."""
+    from benchmarks import merge_throughput
+
+    rows = merge_throughput.main(["--smoke"])
+    assert [(r["base"], r["output"]) for r in rows] == [("bf16", "same"), ("fp8", "same"), ("fp8", "bf16")]
+    layers, per_layer = merge_throughput.SMOKE["num_hidden_layers"], 4 + 3 * merge_throughput.SMOKE["num_experts"]
+    assert rows[0]["merged"] == layers * per_layer  # q/k/v/o and each expert's gate, up, down
+    assert rows[1]["merged"] == 2 * layers * per_layer  # FP8: each value tensor and its scales
+    assert all(r["peak"] > 0 and r["seconds"][0] > 0 for r in rows)
