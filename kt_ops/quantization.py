@@ -241,10 +241,13 @@ def _quantize_mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
     return pack_int4(codes), scale_bytes.view(torch.float8_e8m0fnu)
 
 
-def _quantize_nvfp4(w: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+def _quantize_nvfp4(w: Tensor, global_scale: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """``global_scale``: the one a reader will use (default amax / (448 * 6)); a checkpoint
+    storing its reciprocal passes the reciprocal of what it stores."""
     out, inp = w.shape
-    amax = w.abs().amax()
-    global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.ones((), device=w.device)
+    if global_scale is None:
+        amax = w.abs().amax()
+        global_scale = amax / (E4M3_MAX * E2M1_MAX) if amax > 0 else torch.ones((), device=w.device)
     groups = w.reshape(out, inp // 16, 16)
     block = (groups.abs().amax(dim=2) / E2M1_MAX / global_scale).clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
     effective = block.float() * global_scale

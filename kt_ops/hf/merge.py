@@ -342,9 +342,9 @@ class _MergePlan:
         if fmt != "same" and quantized:
             return "bf16"
         if merged:
-            if fmt == "same" and weight.slot is not None and weight.slot.expert is None and quantized:
-                raise ValueError(f"{_WHO}: {name}: fused quantized experts ({sorted(parts)}) are not supported by "
-                                 "the merge yet")
+            if weight.slot is not None and weight.slot.expert is None and quantized and "mx_blocks" not in parts:
+                raise ValueError(f"{_WHO}: {name}: experts stored fused and quantized as {sorted(parts)}; the merge "
+                                 "reads fused quantized experts as gpt-oss's MXFP4 only")
             if quantized:
                 check_writable(parts, name)
             return "same"
@@ -470,6 +470,10 @@ class _MergePlan:
         """The stored weight as float32, in its logical shape."""
         if set(tensors) == {"value"}:
             return tensors["value"].to(torch.float32, copy=True)
+        if "mx_blocks" in tensors:  # gpt-oss's fused experts: [E, out, in/32, 16]
+            blocks, scales = tensors["mx_blocks"], tensors["mx_scales"]
+            return torch.stack([StoredMatrix.from_parts({"mx_blocks": blocks[e], "mx_scales": scales[e]},
+                                                        unit.name).to_float() for e in range(blocks.shape[0])])
         matrix = StoredMatrix.from_parts(tensors, unit.name, self.stored.gptq_stored_zero, self.stored.int8_is_fp4)
         return matrix.to_float().float()
 

@@ -5,9 +5,11 @@ forms a merge writes "same" (see :mod:`kt_ops.hf.merge`): float tensors are cast
 dtype; FP8 (``X.weight`` float8_e4m3fn with one scale per 128x128 block, per output row or for
 the tensor) and INT8 get new scales of the same shape and dtype; compressed-tensors'
 pack-quantized INT4 and GPTQ's INT4 get new group scales and 4-bit values, packed as stored
-(GPTQ's ``qzeros`` and ``g_idx`` stay as they are: symmetric weights, groups in order). All are
-symmetric: scale = amax / qmax (448, 127, 7), rounded to the stored scale's dtype first so that
-the values are quantized with the scale a reader will use.
+(GPTQ's ``qzeros`` and ``g_idx`` stay as they are: symmetric weights, groups in order); FP4
+(gpt-oss's fused MXFP4 experts, DeepSeek-V4's, compressed-tensors' and ModelOpt's NVFP4) is
+quantized by kt_ops.quantization's own mxfp4 / nvfp4 rules and stored in the checkpoint's
+layout. All are symmetric: scale = amax / qmax (448, 127, 7), rounded to the stored scale's
+dtype first so that the values are quantized with the scale a reader will use.
 
 :func:`encode_like` returns only the tensors that change, by role, in their stored dtypes and
 shapes. The reference for each is :func:`~kt_ops.hf.checkpoint_formats.StoredMatrix.to_float`:
@@ -106,14 +108,52 @@ def _gptq(w: Tensor, scales_like: Tensor) -> dict[str, Tensor]:
     return {"qweight": qweight, "gptq_scales": scale.t().contiguous()}
 
 
+def _mxfp4(w: Tensor) -> tuple[Tensor, Tensor]:
+    """kt's mxfp4 of ``w [out, in]``: (bytes [out, in/2], E8M0 scale bytes [out, in/32] uint8)."""
+    data, scale = quantization._quantize_mxfp4(w)
+    return data, scale.view(torch.uint8)
+
+
+def _gpt_oss_mxfp4(w: Tensor) -> dict[str, Tensor]:
+    """gpt-oss's fused MXFP4 experts (``w [E, out, in]``): ``_blocks [E, out, in/32, 16]``
+    (kt's bytes, 16 per block of 32 columns) and ``_scales [E, out, in/32]`` uint8, one
+    expert at a time."""
+    E, out, inp = w.shape
+    blocks = torch.empty(E, out, inp // 32, 16, dtype=torch.uint8)
+    scales = torch.empty(E, out, inp // 32, dtype=torch.uint8)
+    for e in range(E):
+        data, scale = _mxfp4(w[e])
+        blocks[e], scales[e] = data.reshape(out, inp // 32, 16), scale
+    return {"mx_blocks": blocks, "mx_scales": scales}
+
+
+def _nvfp4(w: Tensor, parts: dict[str, Tensor]) -> dict[str, Tensor]:
+    """NVFP4 with a new global scale (amax / (448 * 6)) stored as the checkpoint stores it:
+    ModelOpt's ``weight_scale_2`` (the multiplier) or compressed-tensors' ``weight_global_scale``
+    (its reciprocal: the values are quantized under the reciprocal of what is stored, which is
+    what a reader multiplies by)."""
+    amax = w.abs().amax()
+    multiplier = amax / (quantization.E4M3_MAX * 6.0) if amax > 0 else torch.ones(())
+    if "global_scale_inv" in parts:
+        stored = torch.reciprocal(multiplier.float()).reshape(parts["global_scale_inv"].shape)
+        data, scale, _ = quantization._quantize_nvfp4(w, torch.reciprocal(stored.reshape(())))
+        new = {"global_scale_inv": stored}
+    else:
+        stored = multiplier.float().reshape(parts["global_scale"].shape)
+        data, scale, _ = quantization._quantize_nvfp4(w, stored.reshape(()))
+        new = {"global_scale": stored}
+    values_role = "fp4_packed" if "fp4_packed" in parts else "value"
+    return {values_role: data, "fp4_scale": scale, **new}
+
+
 def check_writable(parts: dict, name: str) -> None:
-    """ValueError naming the weight for a stored form :func:`encode_like` does not write (FP4):
-    at planning time, before anything is written."""
+    """ValueError naming the weight for a stored form :func:`encode_like` does not write: at
+    planning time, before anything is written."""
     roles = set(parts)
-    if roles <= {"value", "value_scale"} or "qweight" in roles or "packed" in roles:
+    if (roles <= {"value", "value_scale"} or roles & {"qweight", "packed", "mx_blocks", "fp4_scale"}):
         return
-    raise ValueError(f"merge: {name} is stored as {sorted(roles)} (FP4); merging into FP4 checkpoints in their own "
-                     "format is not supported yet: use output_format='bf16'")
+    raise ValueError(f"merge: {name} is stored as {sorted(roles)}; a merge writes float, FP8, INT8, INT4 and FP4 "
+                     "weights in their own format")
 
 
 def encode_like(parts: dict[str, Tensor], merged: Tensor, name: str) -> dict[str, Tensor]:
@@ -125,18 +165,23 @@ def encode_like(parts: dict[str, Tensor], merged: Tensor, name: str) -> dict[str
         return _gptq(merged, parts["gptq_scales"])
     if "packed" in parts:
         return _compressed_int4(merged, parts["group_scale"])
-    if "value" not in parts or set(parts) - {"value", "value_scale"}:
-        raise ValueError(f"merge: {name} is stored as {sorted(parts)} (FP4); merging into FP4 checkpoints in their "
-                         "own format is not supported yet: use output_format='bf16'")
+    if "mx_blocks" in parts:
+        return _gpt_oss_mxfp4(merged)
+    if "fp4_scale" in parts:
+        return _nvfp4(merged, parts)
+    check_writable(parts, name)
     value = parts["value"]
     if value.dtype == torch.float8_e4m3fn:
         return _fp8(merged, parts["value_scale"])
     if value.dtype == torch.int8 and value.shape == merged.shape:
         return _int8(merged, parts["value_scale"])
+    if value.dtype == torch.int8 and parts["value_scale"].dtype in (torch.uint8, torch.float8_e8m0fnu):
+        data, scale = _mxfp4(merged)  # DeepSeek-V4's FP4 experts: E2M1 pairs in int8, E8M0 scales
+        return {"value": data.view(torch.int8), "value_scale": scale.view(parts["value_scale"].dtype)}
     if value.dtype.is_floating_point and "value_scale" not in parts:
         return {"value": merged.to(value.dtype)}
     raise ValueError(f"merge: {name} is stored as {value.dtype} {tuple(value.shape)} with {sorted(parts)}; a merge "
-                     "writes float, FP8, INT8, compressed-tensors INT4 and GPTQ INT4 weights in their own format")
+                     "writes float, FP8, INT8, INT4 and FP4 weights in their own format")
 
 
 # ---------------------------------------------------------------------------------------------
