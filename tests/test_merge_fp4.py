@@ -35,14 +35,14 @@ def _tensors(path) -> dict:
     return out
 
 
-def _adapter(base_dir, out_dir, attention: bool):
+def _adapter(base_dir, out_dir, attention: bool, scale: float = 0.02):
     """The patched model of FP4 checkpoint ``base_dir`` (experts as stored) with a nonzero
     adapter (experts; and q/k/v/o with ``attention``), saved to ``out_dir``."""
     model = kt_ops.hf.from_pretrained(base_dir, lora_rank=R, lora_alpha=ALPHA, progress=False)
     if attention:
         model = kt_ops.hf.get_peft_model(model, peft.LoraConfig(r=R, lora_alpha=ALPHA, lora_dropout=0.0,
                                                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-    randomize_lora(model, lambda n: "lora_b" in n.lower(), seed=3, scale=0.02)
+    randomize_lora(model, lambda n: "lora_b" in n.lower(), seed=3, scale=scale)
     kt_ops.save_adapter(model, out_dir)
     return model.eval()
 
@@ -128,3 +128,30 @@ def test_nvfp4_merged_as_nvfp4(tmp_path, convention):
     ids = samples.input_ids()
     fresh = kt_ops.hf.from_pretrained(tmp_path / "nvfp4", progress=False)
     _logits_check(tmp_path / "out", patched, fresh, float_model, ids)
+
+
+def test_deepseek_v4_fp4_experts_merged_as_fp4(tmp_path):
+    """DeepSeek-V4-Flash's layout: experts' int8-packed E2M1 with E8M0 scales, stored per expert
+    under transformers' renamed names (``ffn.experts.{e}.w1``), FP8 linears beside them."""
+    import hf_families
+
+    float_model = fp4.tiny_deepseek_v4()
+    float_model.save_pretrained(tmp_path / "float")
+    fp4.write_deepseek_v4_fp4(str(tmp_path / "float"), str(tmp_path / "fp4"), str(tmp_path / "twin"))
+    patched = _adapter(tmp_path / "fp4", tmp_path / "adapter", attention=False, scale=0.3)
+    summary = kt_ops.hf.merge_adapter(tmp_path / "fp4", tmp_path / "adapter", tmp_path / "out", progress=False)
+    assert summary.merged and all(".ffn.experts." in k for k in summary.merged)
+    _check_same_layout(tmp_path / "fp4", tmp_path / "out", set(summary.merged))
+    merged = kt_ops.hf.from_pretrained(tmp_path / "out", progress=False)
+    base = kt_ops.hf.from_pretrained(tmp_path / "fp4", progress=False)
+    # the yardstick: the experts alone quantized afresh (the FP8 linears are not re-quantized here)
+    fresh = kt_ops.hf.from_pretrained(tmp_path / "float", expert_format="mxfp4", progress=False)
+    float_experts = kt_ops.hf.from_pretrained(tmp_path / "float", progress=False)
+    ids = hf_families.input_ids()
+    with torch.no_grad():
+        want = hf_families.run(patched, ids).logits
+        own = rel_err(hf_families.run(fresh, ids).logits, hf_families.run(float_experts, ids).logits)
+        assert rel_err(hf_families.run(base, ids).logits, want) > 2 * own
+        err = rel_err(hf_families.run(merged, ids).logits, want)
+    print(f"DeepSeek-V4: logits vs the patched model with the adapter {err:.2e}; one fresh FP4 quantization {own:.2e}")
+    assert err <= 2 * own
