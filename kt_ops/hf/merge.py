@@ -39,7 +39,8 @@ from kt_ops.hf import fp4_checkpoints
 from kt_ops.hf.adapters import ADAPTER_CONFIG, _KEY_RE, _read_adapter_weights, peft_factors_to_kt
 from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
 from kt_ops.hf.expert_layout import ExpertsLayout
-from kt_ops.hf.merge_formats import CONVERSIONS, check_writable, converted_layout, encode_as, encode_like, quantization_config
+from kt_ops.hf.merge_formats import (CONVERSIONS, check_writable, converted_layout, encode_as, encode_like,
+                                     quantization_config)
 from kt_ops.hf.shard_writer import PlannedTensor, StreamingShard, read_header
 from kt_ops.hf.shards import INDEX_FILE, ShardReader, shard_files, tensor_refs
 
@@ -94,8 +95,7 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
     """
     base_dir, adapter_dir, out_dir = (os.path.abspath(os.fspath(p)) for p in (base_dir, adapter_dir, out_dir))
     if output_format not in OUTPUT_FORMATS:
-        raise ValueError(f"{_WHO}: output_format must be one of {OUTPUT_FORMATS}, got {output_format!r} (writing "
-                         "another quantization than the base's is not supported yet)")
+        raise ValueError(f"{_WHO}: output_format must be one of {OUTPUT_FORMATS}, got {output_format!r}")
     for name, path in (("base_dir", base_dir), ("adapter_dir", adapter_dir)):
         if not os.path.isdir(path):
             raise ValueError(f"{_WHO}: {name} {path!r} is not a directory")
