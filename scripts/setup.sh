@@ -17,7 +17,7 @@ if [ ! -e /usr/include/simde/x86/avx512.h ] && command -v apt-get > /dev/null; t
 fi
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 # The packages, installed only when this list changed since the last run (the stamp in .venv).
-REQUIREMENTS="torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 matplotlib==3.11.2 trl==1.16.0 datasets==5.2.0"
+REQUIREMENTS="torch==2.13.0 pybind11 ninja expecttest pytest setuptools wheel transformers==5.23.0 peft==0.21.2 accelerate==1.15.0 safetensors==0.8.0 matplotlib==3.11.2 trl==1.16.0 datasets==5.2.0 compressed-tensors==0.20.1"
 if [ "$(cat .venv/.kt_ops_requirements 2> /dev/null)" != "$REQUIREMENTS" ]; then
     # shellcheck disable=SC2086
     .venv/bin/python -m pip install -q --disable-pip-version-check $REQUIREMENTS
