@@ -8,7 +8,8 @@
   (scale / 2), or FP8's relative half-ulp (2^-4) above its subnormal range.
 * kt_ops.hf.from_pretrained reads the output, and its logits equal the float model holding
   those decoded weights (fp32, 1e-5); stock transformers reads the FP8 output (dequantized to
-  bf16 on a CPU) within bf16's rounding of the same.
+  bf16 on a CPU) and the INT4 one (through the compressed-tensors package) within bf16's
+  rounding of the same; not yet the INT8 one (its loader's limit, below).
 """
 import copy
 import json
@@ -125,25 +126,37 @@ def test_conversion_within_rounding_and_loads(merged_float, fmt):
         assert err <= 2 * own
 
 
-def test_fp8_output_loads_in_stock_transformers(merged_float):
-    """transformers' own FP8 loader (dequantizing to bf16 without a GPU), kt_ops not imported."""
+# transformers 5.23 with compressed-tensors 0.20.1 cannot build fused experts from per-expert INT8
+# (int-quantized) tensors: its Concatenate gets none ("Ckpt contains: 0"), for checkpoint_samples'
+# own INT8 checkpoints too; strict, so that the day it can, this says so.
+_STOCK_INT8 = pytest.mark.xfail(strict=True, raises=subprocess.CalledProcessError,
+                                reason="transformers' compressed-tensors loader: per-expert INT8 experts")
+
+
+@pytest.mark.parametrize("fmt", ["fp8", pytest.param("int8", marks=_STOCK_INT8), "int4"])
+def test_output_loads_in_stock_transformers(merged_float, fmt):
+    """transformers' own loaders, kt_ops not imported: FP8 (dequantized to bf16 without a GPU) and
+    compressed-tensors' (its package), within bf16's rounding of the decoded weights."""
     d, _, base, _ = merged_float
-    out = d / "out_fp8_stock"
-    kt_ops.hf.merge_adapter(d / "base", d / "adapter", out, output_format="fp8", progress=False)
-    decoded, _ = _decoded(out, "fp8")
-    reference = _float_model(d, decoded, "decoded_fp8_stock")
+    out = d / f"out_{fmt}_stock"
+    kt_ops.hf.merge_adapter(d / "base", d / "adapter", out, output_format=fmt, progress=False)
+    decoded, _ = _decoded(out, fmt)
+    reference = _float_model(d, decoded, f"decoded_{fmt}_stock")
     ids = samples.input_ids()
     with torch.no_grad():
         want = reference(input_ids=ids).logits
-    torch.save({"ids": ids}, d / "ids.pt")
+    torch.save({"ids": ids}, d / f"ids_{fmt}.pt")
     script = textwrap.dedent(f"""
         import sys, torch
         from transformers import AutoModelForCausalLM
         model = AutoModelForCausalLM.from_pretrained({str(out)!r}).eval()
         assert "kt_ops" not in sys.modules
         with torch.no_grad():
-            logits = model(input_ids=torch.load({str(d / 'ids.pt')!r})["ids"]).logits.float()
-        torch.save(logits, {str(d / 'stock_logits.pt')!r})
+            logits = model(input_ids=torch.load({str(d / f'ids_{fmt}.pt')!r})["ids"]).logits.float()
+        assert "kt_ops" not in sys.modules
+        torch.save(logits, {str(d / f'stock_logits_{fmt}.pt')!r})
     """)
-    subprocess.run([sys.executable, "-c", script], check=True, timeout=300)
-    assert rel_err(torch.load(d / "stock_logits.pt"), want) <= 2e-2
+    subprocess.run([sys.executable, "-c", script], check=True, timeout=300, capture_output=True)
+    got = torch.load(d / f"stock_logits_{fmt}.pt")
+    print(f"{fmt}: stock transformers vs the decoded weights {rel_err(got, want):.2e}")
+    assert rel_err(got, want) <= 2e-2

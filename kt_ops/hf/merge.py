@@ -52,8 +52,10 @@ _WHO = "merge_adapter"
 @dataclasses.dataclass
 class MergeSummary:
     """What a merge wrote: ``merged``, the checkpoint keys whose tensors got a LoRA delta (or
-    new scales with it); ``converted``, the keys of quantized weights written as bf16
-    (``output_format="bf16"``); ``copied``, how many tensors were copied byte for byte."""
+    new scales with it); ``converted``, the weights written in another format than stored
+    (``output_format`` other than "same"); ``copied``, how many tensors were copied byte for
+    byte without being decoded. (The unchanged parts of a merged weight, e.g. GPTQ's
+    ``qzeros`` and ``g_idx``, are in neither list: read and written back as they are.)"""
     out_dir: str
     merged: list = dataclasses.field(default_factory=list)
     converted: list = dataclasses.field(default_factory=list)
