@@ -324,6 +324,9 @@ def _dequantize_fp4(q: Tensor, scale: Tensor, out: int, inp: int) -> Tensor:
 
 def _dequantize_matrix(q: Tensor, scale: Tensor, fmt: str, out: int, inp: int) -> Tensor:
     if fmt == "fp8":
+        if out % FP8_BLOCK == 0 and inp % FP8_BLOCK == 0:  # whole blocks: the scales broadcast, no copy of them
+            blocks = q.float().reshape(out // FP8_BLOCK, FP8_BLOCK, inp // FP8_BLOCK, FP8_BLOCK)
+            return blocks.mul_(scale[:, None, :, None]).reshape(out, inp)
         full = scale.repeat_interleave(FP8_BLOCK, 0).repeat_interleave(FP8_BLOCK, 1)[:out, :inp]
         return q.float() * full
     if fmt == "int8":
