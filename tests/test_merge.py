@@ -307,6 +307,14 @@ def test_nan_is_refused_by_name(cases, tmp_path):
     _refused(case.base, adapter, tmp_path / "x", r"layers\.1\.self_attn\.q_proj")
 
 
+def test_too_little_free_space_is_refused(cases, tmp_path, monkeypatch):
+    import kt_ops.hf.merge as merge_module
+
+    case = cases("bf16")
+    monkeypatch.setattr(merge_module.shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(1 << 40, 1 << 40, 1000))
+    _refused(case.base, case.adapter, tmp_path, r"needs .* GB; .* has 0\.00 GB free")
+
+
 def test_existing_out_dir(cases, tmp_path):
     case = cases("bf16")
     out = tmp_path / "merged"
@@ -325,8 +333,8 @@ def test_existing_out_dir(cases, tmp_path):
 
 
 def test_killed_merge_leaves_no_out_dir(tmp_path):
-    """SIGKILL once the first output shard is in the temporary folder: no out_dir (an interrupt
-    cannot clean up; a new merge to the same out_dir then works)."""
+    """SIGKILL once the first output shard is in the temporary folder: no out_dir (a killed
+    process cannot clean up; the next merge to the same out_dir works and removes its folder)."""
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     c = ms.write_synthetic_base(base, shards=8, hidden_size=512, moe_intermediate_size=512, num_experts=32,
                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
@@ -355,6 +363,7 @@ def test_killed_merge_leaves_no_out_dir(tmp_path):
     assert not os.path.lexists(out)
     summary = merge(base, adapter, out)
     assert summary.merged and os.path.isdir(out)
+    assert not os.path.lexists(seen)  # the killed merge's folder, removed by the next merge to out_dir
 
 
 def test_merge_peak_memory(tmp_path):

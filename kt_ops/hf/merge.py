@@ -28,6 +28,7 @@ import math
 import os
 import re
 import shutil
+import socket
 from typing import Optional, Union
 
 import torch
@@ -111,7 +112,12 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
     plan = _MergePlan(base_dir, adapter_dir, output_format, group_size)  # every check; nothing written yet
     parent, leaf = os.path.split(out_dir)
     os.makedirs(parent, exist_ok=True)
-    tmp = os.path.join(parent, f".{leaf}.merging-{os.getpid()}")
+    _remove_abandoned(parent, leaf)
+    free = shutil.disk_usage(parent).free
+    if free < plan.index_metadata["total_size"]:
+        raise ValueError(f"{_WHO}: the merged checkpoint needs {plan.index_metadata['total_size'] / 1e9:.2f} GB; "
+                         f"{parent!r} has {free / 1e9:.2f} GB free")
+    tmp = os.path.join(parent, f"{_temp_prefix(leaf)}{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
@@ -123,6 +129,28 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
         raise
     summary.out_dir = out_dir
     return summary
+
+
+def _temp_prefix(leaf: str) -> str:
+    """The temporary folder's name less the pid: hidden, beside out_dir, naming this host (a
+    shared file system may see merges of several machines)."""
+    return f".{leaf}.merging-{socket.gethostname()}-"
+
+
+def _remove_abandoned(parent: str, leaf: str) -> None:
+    """The temporary folders of earlier merges to the same out_dir on this host whose process is
+    gone (killed: nothing could clean up)."""
+    prefix = _temp_prefix(leaf)
+    for entry in os.listdir(parent):
+        pid = entry[len(prefix):]
+        if not (entry.startswith(prefix) and pid.isdigit()):
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+        except PermissionError:
+            pass  # another user's live process
 
 
 def _replace(tmp: str, out_dir: str) -> None:
