@@ -321,6 +321,7 @@ class _MergePlan:
         # the weights of nn.Linear modules (what transformers' and compressed-tensors' quantizers
         # quantize), but the output embeddings
         head = model.get_output_embeddings()
+        self.head_names = [n for n, m in model.named_modules() if head is not None and m is head]
         self.linear = {f"{n}.weight" for n, m in model.named_modules()
                        if isinstance(m, torch.nn.Linear) and m is not head}
         self.refs = {f: tensor_refs(f) for f in self.files}
@@ -332,8 +333,7 @@ class _MergePlan:
         self.shards = self._shards()
         self.index_metadata = {"total_size": sum(t.nbytes for planned in self.shards.values() for t, _ in planned)}
         converted = {u.weight.target for u in self.units if u.kind == self.output_format}
-        self.not_converted = sorted(t[: -len(".weight")] for t in self.linear - converted) + (
-            ["lm_head"] if head is not None else [])
+        self.not_converted = sorted(t[: -len(".weight")] for t in self.linear - converted) + self.head_names
 
     def _resolve(self, output_format: str, group_size: int) -> str:
         """"same" where the base already stores ``output_format`` as it would be written."""
