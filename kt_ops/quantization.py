@@ -265,15 +265,25 @@ def _scale_shape(fmt: str, E: int, out: int, inp: int, group_size: Optional[int]
 
 
 def _safe_scale(amax: Tensor, fmt: str, scale_dtype: torch.dtype) -> Tensor:
-    """amax / qmax in scale_dtype (1 where amax is 0), returned in float32."""
+    """amax / qmax in scale_dtype (1 where amax is 0; float8_e8m0fnu, a checkpoint's ue8m0,
+    rounded up to a power of two so that no value overflows), returned in float32."""
     scale = torch.where(amax > 0, amax / _QMAX[fmt], torch.ones_like(amax))
+    if scale_dtype == torch.float8_e8m0fnu:
+        scale = torch.exp2(torch.ceil(torch.log2(scale)))
     return scale.to(scale_dtype).float()
 
 
 def _quantize_matrix(w: Tensor, fmt: str, group_size: Optional[int], scale_dtype: torch.dtype):
+    """``w [out, in]`` float32 -> (data, float32 scale rounded to ``scale_dtype``): fp8 per
+    128x128 block, int8 per output row, int4 per group of ``group_size``."""
     out, inp = w.shape
     if fmt == "fp8":
         ob, ib = fp8_scale_grid(out, inp)
+        if out % FP8_BLOCK == 0 and inp % FP8_BLOCK == 0:  # whole blocks: reshaped, the scales broadcast
+            blocks = w.reshape(ob, FP8_BLOCK, ib, FP8_BLOCK)
+            scale = _safe_scale(blocks.abs().amax(dim=(1, 3)), fmt, scale_dtype)
+            q = (blocks / scale[:, None, :, None]).clamp_(-448.0, 448.0).to(torch.float8_e4m3fn)
+            return q.reshape(out, inp), scale
         padded = F.pad(w, (0, ib * FP8_BLOCK - inp, 0, ob * FP8_BLOCK - out))
         amax = padded.abs().reshape(ob, FP8_BLOCK, ib, FP8_BLOCK).amax(dim=(1, 3))
         scale = _safe_scale(amax, fmt, scale_dtype)

@@ -160,3 +160,23 @@ def test_output_loads_in_stock_transformers(merged_float, fmt):
     got = torch.load(d / f"stock_logits_{fmt}.pt")
     print(f"{fmt}: stock transformers vs the decoded weights {rel_err(got, want):.2e}")
     assert rel_err(got, want) <= 2e-2
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float8_e8m0fnu], ids=["uint8", "e8m0"])
+def test_fp8_with_e8m0_scales_rounds_them_up_to_powers_of_two(scale_dtype):
+    """DeepSeek-V4's FP8 linears (ue8m0 block scales) merged "same": the new scales are powers
+    of two in the stored dtype, no value overflows E4M3, and the loader's decoding is the merged
+    weight within FP8's rounding (a partial block included)."""
+    from kt_ops.hf.merge_formats import encode_like
+
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(200, 384, generator=g) * torch.logspace(-3, 1, 384)
+    like = {"value": torch.empty(200, 384, dtype=torch.float8_e4m3fn), "value_scale": torch.empty(2, 3, dtype=scale_dtype)}
+    out = encode_like(like, w, "x.weight")
+    assert out["value_scale"].dtype == scale_dtype and out["value_scale"].shape == (2, 3)
+    scale = out["value_scale"].view(torch.float8_e8m0fnu).float()
+    assert torch.equal(torch.exp2(torch.log2(scale).round()), scale)
+    full = scale.repeat_interleave(128, 0).repeat_interleave(128, 1)[:200, :384]
+    assert bool((w.abs() <= 448 * full).all())
+    got = StoredMatrix.from_parts(out, "x.weight").to_float()
+    assert bool(((got - w).abs() <= 2.0 ** -4 * w.abs() + full * 2.0 ** -10).all())

@@ -353,11 +353,11 @@ def _adapter_config(model: nn.Module, r: int, alpha: float) -> dict:
     return config
 
 
-def read_adapter_config(adapter_dir: str) -> dict:
+def read_adapter_config(adapter_dir: str, who: str = "load_adapter") -> dict:
     """``adapter_dir/adapter_config.json``; ValueError when there is none."""
     config_path = os.path.join(adapter_dir, ADAPTER_CONFIG)
     if not os.path.isfile(config_path):
-        raise ValueError(f"load_adapter: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
+        raise ValueError(f"{who}: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
     with open(config_path) as f:
         return json.load(f)
 
@@ -411,28 +411,36 @@ def _read_adapter_weights(adapter_dir: str) -> dict:
     return state
 
 
-def _check_config(config: dict, adapter_dir: str) -> tuple[int, float, float]:
-    where = f"load_adapter: adapter_dir {adapter_dir!r}"
+def lora_fields(config: dict, where: str) -> tuple[int, float, float]:
+    """``(r, lora_alpha, scaling)`` of an adapter config kt_ops reads (LoRA with one rank and
+    alpha; rsLoRA's ``alpha / sqrt(r)`` scale honoured): ValueError, prefixed with ``where``,
+    naming the field otherwise. What loading and merging an adapter both check."""
     if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{where} holds a {config.get('peft_type')} adapter; kt_ops loads LoRA adapters")
+        raise ValueError(f"{where} holds a {config.get('peft_type')} adapter; kt_ops reads LoRA adapters")
     r, alpha = config.get("r"), config.get("lora_alpha")
     if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
         raise ValueError(f"{where}: adapter_config.json needs an int r >= 1 and a number lora_alpha, "
                          f"got r={r!r}, lora_alpha={alpha!r}")
     for key in ("use_dora", "lora_bias"):
         if config.get(key):
-            raise ValueError(f"{where}: {key}=true is not supported by kt_ops' expert LoRA")
+            raise ValueError(f"{where}: {key}=true is not supported by kt_ops")
     for key in ("rank_pattern", "alpha_pattern"):
         if config.get(key):
             raise ValueError(f"{where}: {key}={config[key]!r} is not supported (kt_ops uses one rank and alpha "
-                             f"for every expert adapter)")
+                             f"for every module)")
+    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
+    return r, float(alpha), float(scaling)
+
+
+def _check_config(config: dict, adapter_dir: str) -> tuple[int, float, float]:
+    where = f"load_adapter: adapter_dir {adapter_dir!r}"
+    r, alpha, scaling = lora_fields(config, where)
     params = config.get("target_parameters") or []
     unknown = [p for p in params if not (p.endswith("gate_up_proj") or p.endswith("down_proj"))]
     if unknown or not params:
         raise ValueError(f"{where}: target_parameters={params!r}; kt_ops loads LoRA on "
                          f"{list(TARGET_PARAMETERS)} only")
-    scaling = alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r
-    return r, float(alpha), float(scaling)
+    return r, alpha, scaling
 
 
 def is_peft_model(model: nn.Module) -> bool:

@@ -37,13 +37,13 @@ from torch import Tensor
 from kt_ops import quantization
 from kt_ops.distributed import PEFT_MODEL_PREFIX
 from kt_ops.hf import fp4_checkpoints
-from kt_ops.hf.adapters import ADAPTER_CONFIG, _KEY_RE, _read_adapter_weights, peft_factors_to_kt
+from kt_ops.hf.adapters import (ADAPTER_CONFIG, _KEY_RE, _read_adapter_weights, lora_fields, peft_factors_to_kt,
+                                read_adapter_config)
 from kt_ops.hf.checkpoint_formats import CheckpointQuantization, StoredMatrix
-from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.merge_formats import (CONVERSIONS, check_writable, converted_layout, encode_as, encode_like,
                                      quantization_config)
 from kt_ops.hf.shard_writer import PlannedTensor, StreamingShard, read_header
-from kt_ops.hf.shards import INDEX_FILE, ShardReader, shard_files, tensor_refs
+from kt_ops.hf.shards import INDEX_FILE, ShardReader, TensorRef, shard_files
 
 OUTPUT_FORMATS = ("same",) + CONVERSIONS
 _LINEAR_KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
@@ -171,30 +171,27 @@ def _replace(tmp: str, out_dir: str) -> None:
 @dataclasses.dataclass
 class _Adapter:
     scaling: float
-    r: int
-    linear: dict  # model key of a weight -> (A [r, in], B [out, r], adapter key of A)
+    linear: dict  # model key of a weight -> (A [r, in], B [out, r])
     experts: dict  # experts path -> {"gate_up" | "down": (A [E, r, in], B [E, out, r])}
 
 
 def _adapter_scaling(adapter_dir: str) -> tuple[int, float]:
-    path = os.path.join(adapter_dir, ADAPTER_CONFIG)
-    if not os.path.isfile(path):
-        raise ValueError(f"{_WHO}: adapter_dir {adapter_dir!r} has no {ADAPTER_CONFIG}")
-    with open(path) as f:
-        config = json.load(f)
-    where = f"{_WHO}: {path}"
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ValueError(f"{where}: peft_type is {config.get('peft_type')!r}; a merge takes LoRA adapters")
-    r, alpha = config.get("r"), config.get("lora_alpha")
-    if not isinstance(r, int) or r < 1 or not isinstance(alpha, (int, float)):
-        raise ValueError(f"{where}: needs an int r >= 1 and a number lora_alpha, got r={r!r}, lora_alpha={alpha!r}")
-    for key in ("use_dora", "lora_bias", "fan_in_fan_out"):
-        if config.get(key):
-            raise ValueError(f"{where}: {key}=true is not supported by the merge")
-    for key in ("rank_pattern", "alpha_pattern"):
-        if config.get(key):
-            raise ValueError(f"{where}: {key}={config[key]!r} is not supported (one rank and alpha for every module)")
-    return r, (alpha / math.sqrt(r) if config.get("use_rslora") else alpha / r)
+    """``(r, scaling)`` of the adapter's config, checked as loading checks it (and
+    ``fan_in_fan_out``: a Conv1D layout the merge does not write)."""
+    config = read_adapter_config(adapter_dir, _WHO)
+    where = f"{_WHO}: adapter_dir {adapter_dir!r}"
+    r, _, scaling = lora_fields(config, where)
+    if config.get("fan_in_fan_out"):
+        raise ValueError(f"{where}: fan_in_fan_out=true is not supported by the merge")
+    return r, scaling
+
+
+def _factor_pair(pair: dict) -> tuple:
+    """``((A's key, A), (B's key, B))`` of one LoRA; ValueError naming a factor without its partner."""
+    if set(pair) != {"A", "B"}:
+        (key, _), = pair.values()
+        raise ValueError(f"{_WHO}: adapter key {key!r} has no lora_{'B' if 'A' in pair else 'A'} partner")
+    return pair["A"], pair["B"]
 
 
 def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _Adapter:
@@ -225,10 +222,7 @@ def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _A
 
     linear = {}
     for target, pair in linear_parts.items():
-        if set(pair) != {"A", "B"}:
-            (key, _), = pair.values()
-            raise ValueError(f"{_WHO}: adapter key {key!r} has no lora_{'B' if 'A' in pair else 'A'} partner")
-        (a_key, a), (b_key, b) = pair["A"], pair["B"]
+        (a_key, a), (b_key, b) = _factor_pair(pair)
         weight = weights_by_target.get(target)
         if weight is None:
             raise ValueError(f"{_WHO}: adapter key {a_key!r}: the base checkpoint has no weight {target} (an adapter "
@@ -245,7 +239,7 @@ def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _A
             bad = a_key if a.shape[1] != inp else b_key
             raise ValueError(f"{_WHO}: adapter key {bad!r}: LoRA of a [{b.shape[0]}, {a.shape[1]}] weight, but the "
                              f"base's {weight.name} is [{out}, {inp}]")
-        linear[target] = (a, b, a_key)
+        linear[target] = (a, b)
 
     experts = {}
     for path, nestings in expert_parts.items():
@@ -253,10 +247,7 @@ def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _A
         I = two_i // 2
         factors = {}
         for pair in nestings.values():
-            if set(pair) != {"A", "B"}:
-                (key, _), = pair.values()
-                raise ValueError(f"{_WHO}: adapter key {key!r} has no lora_{'B' if 'A' in pair else 'A'} partner")
-            (a_key, a), (b_key, b) = pair["A"], pair["B"]
+            (a_key, a), (b_key, b) = _factor_pair(pair)
             if a.dim() != 2 or b.dim() != 2 or a.shape[0] != r * E or b.shape[1] != r * E:
                 bad = a_key if a.dim() != 2 or a.shape[0] != r * E else b_key
                 raise ValueError(f"{_WHO}: adapter key {bad!r}: shapes {tuple(a.shape)} / {tuple(b.shape)}; {path} "
@@ -271,7 +262,7 @@ def _read_adapter(adapter_dir: str, plan, weights_by_target: dict, stored) -> _A
                 raise ValueError(f"{_WHO}: adapter key {a_key!r}: a second LoRA for {path}'s {proj}_proj")
             factors[proj] = peft_factors_to_kt(a, b, E)
         experts[path] = factors
-    return _Adapter(scaling, r, linear, experts)
+    return _Adapter(scaling, linear, experts)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -317,15 +308,17 @@ class _MergePlan:
         with init_empty_weights(include_buffers=False), torch.random.fork_rng(devices=[]):
             model = _build_model(config, torch.float32)
         self.plan = _Plan(model, self.stored)
-        self.layouts = self.plan.layouts
         # the weights of nn.Linear modules (what transformers' and compressed-tensors' quantizers
         # quantize), but the output embeddings
         head = model.get_output_embeddings()
         self.head_names = [n for n, m in model.named_modules() if head is not None and m is head]
         self.linear = {f"{n}.weight" for n, m in model.named_modules()
                        if isinstance(m, torch.nn.Linear) and m is not head}
-        self.refs = {f: tensor_refs(f) for f in self.files}
-        weights = self.plan.weights_of([ref for refs in self.refs.values() for ref in refs])
+        # each shard's header, read once: the tensors' refs for the plan, their offsets for the copy
+        self.headers = {f: read_header(f) for f in self.files}
+        weights = self.plan.weights_of([TensorRef(f, key, tuple(entry["shape"]), entry["dtype"])
+                                        for f, (header, _, _) in self.headers.items()
+                                        for key, entry in sorted(header.items())])
         by_target = {w.target: w for w in weights if w.slot is None and w.converter is None}
         self.adapter = _read_adapter(adapter_dir, self.plan, by_target, self.stored)
         self.units = self._units(weights)
@@ -403,10 +396,9 @@ class _MergePlan:
     def _shards(self) -> dict:
         """file -> [(PlannedTensor, source)] in the stored order; source: ("copy", begin, end)
         or ("unit", unit, role or output key)."""
-        shards, self.metadata = {}, {}
+        shards = {}
         for file in self.files:
-            header, data_start, metadata = read_header(file)
-            self.metadata[file] = metadata
+            header, data_start, _ = self.headers[file]
             planned = []
             for key in sorted(header, key=lambda k: header[k]["data_offsets"][0]):
                 unit = self.unit_of.get(key)
@@ -421,11 +413,6 @@ class _MergePlan:
                     planned.extend((out, ("unit", unit, what)) for out, what in unit.outputs)
                 # else: a scale of a converted weight: replaced by its outputs
             shards[file] = planned
-        self.uses = {}  # unit id -> how many planned outputs it fills (freed once they are written)
-        for planned in shards.values():
-            for _, source in planned:
-                if source[0] == "unit":
-                    self.uses[id(source[1])] = self.uses.get(id(source[1]), 0) + 1
         return shards
 
     # -- writing
@@ -434,8 +421,12 @@ class _MergePlan:
         from transformers.utils.logging import tqdm
 
         summary = MergeSummary(out_dir)
-        done: dict = {}  # unit id -> {role or None: tensor}, computed and not yet all written
-        left = dict(self.uses)
+        done: dict = {}  # unit id -> {role or output key: tensor}, computed and not yet all written
+        left: dict = {}  # unit id -> its planned outputs not yet written (freed at 0)
+        for planned in self.shards.values():
+            for _, source in planned:
+                if source[0] == "unit":
+                    left[id(source[1])] = left.get(id(source[1]), 0) + 1
         readers: dict = {}
         total = sum(os.path.getsize(f) for f in self.files)
         weight_map = {}
@@ -443,7 +434,7 @@ class _MergePlan:
             for file in self.files:
                 planned = self.shards[file]
                 out_file = os.path.join(out_dir, os.path.basename(file))
-                shard = StreamingShard(out_file, [t for t, _ in planned], self.metadata[file])
+                shard = StreamingShard(out_file, [t for t, _ in planned], self.headers[file][2])
                 try:
                     for tensor, source in planned:
                         if source[0] == "copy":
@@ -477,8 +468,9 @@ class _MergePlan:
         """The unit's output tensors, by role ("same") or output key."""
         tensors = {}
         for role, ref in unit.parts.items():
-            reader = readers.setdefault(ref.file, ShardReader(ref.file))
-            tensors[role] = reader.read(ref)
+            if ref.file not in readers:
+                readers[ref.file] = ShardReader(ref.file)
+            tensors[role] = readers[ref.file].read(ref)
         weight = self._decode(unit, tensors)
         if unit.merged:
             self._add_delta(weight, unit.weight)
@@ -513,17 +505,16 @@ class _MergePlan:
         expert at a time for fused experts, so that no second layer-sized tensor is made."""
         s = self.adapter.scaling
         if weight.slot is None:
-            a, b, _ = self.adapter.linear[weight.target]
+            a, b = self.adapter.linear[weight.target]
             merged.add_(b.float() @ a.float(), alpha=s)
             return
         slot = weight.slot
         A, B = self.adapter.experts[slot.path]["down" if slot.proj == "down_proj" else "gate_up"]
-        layout = ExpertsLayout(interleaved=self.layouts[slot.path].interleaved)
+        if slot.proj in ("gate_proj", "up_proj"):  # one expert's gate or up: B's rows of that half
+            gate, up = self.plan.layouts[slot.path].split_gate_up(B)
+            B = gate if slot.proj == "gate_proj" else up
         for e in range(A.shape[0]) if slot.expert is None else (slot.expert,):
             delta = B[e].float() @ A[e].float()  # [out, in], kt's orientation
-            if slot.proj in ("gate_proj", "up_proj"):
-                gate, up = layout.split_gate_up(delta[None])
-                delta = (gate if slot.proj == "gate_proj" else up)[0]
             target = merged if slot.expert is not None else merged[e]
             target.add_(delta.t() if slot.transposed else delta, alpha=s)
 

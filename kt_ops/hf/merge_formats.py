@@ -9,7 +9,9 @@ pack-quantized INT4 and GPTQ's INT4 get new group scales and 4-bit values, packe
 (gpt-oss's fused MXFP4 experts, DeepSeek-V4's, compressed-tensors' and ModelOpt's NVFP4) is
 quantized by kt_ops.quantization's own mxfp4 / nvfp4 rules and stored in the checkpoint's
 layout. All are symmetric: scale = amax / qmax (448, 127, 7), rounded to the stored scale's
-dtype first so that the values are quantized with the scale a reader will use.
+dtype first so that the values are quantized with the scale a reader will use (E8M0 rounded
+up to a power of two): kt_ops.quantization's own rules (``_quantize_matrix``, ``_safe_scale``),
+here with the checkpoint's scale shapes and dtypes.
 
 :func:`encode_like` returns only the tensors that change, by role, in their stored dtypes and
 shapes. The reference for each is :func:`~kt_ops.hf.checkpoint_formats.StoredMatrix.to_float`:
@@ -18,81 +20,63 @@ the tests decode what is written and compare.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from kt_ops import quantization
 
-_BLOCK = quantization.FP8_BLOCK
 _E4M3_MAX = 448.0
 
 
-def stored_scale(scale: Tensor, dtype: torch.dtype) -> Tensor:
-    """``scale`` (float32, > 0 where it matters) in a checkpoint's scale dtype: float32, bfloat16
-    or float16 rounded to nearest; E8M0 (``uint8`` or ``float8_e8m0fnu``: DeepSeek's ue8m0)
-    rounded up to a power of two, so that no value overflows. A zero scale (an all-zero block
-    or group) becomes 1: its values are 0 whatever the scale."""
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    if dtype in (torch.uint8, torch.float8_e8m0fnu):
-        power = torch.exp2(torch.ceil(torch.log2(scale)))
-        e8m0 = power.to(torch.float8_e8m0fnu)
-        return e8m0.view(torch.uint8) if dtype == torch.uint8 else e8m0
-    return scale.to(dtype)
+def _rounding_dtype(scale_like: Tensor) -> torch.dtype:
+    """The dtype a checkpoint's scales are rounded to (its uint8 scales are E8M0 bytes)."""
+    return torch.float8_e8m0fnu if scale_like.dtype == torch.uint8 else scale_like.dtype
 
 
-def scale_values(stored: Tensor) -> Tensor:
-    """The float32 values of scales in a checkpoint's dtype (E8M0 bytes included)."""
-    if stored.dtype == torch.uint8:
-        stored = stored.view(torch.float8_e8m0fnu)
-    return stored.float()
+def _stored(scale: Tensor, scale_like: Tensor) -> Tensor:
+    """Float32 scales already rounded to ``_rounding_dtype(scale_like)``, stored as ``scale_like``
+    is (dtype and shape)."""
+    stored = scale.to(_rounding_dtype(scale_like))
+    if scale_like.dtype == torch.uint8:
+        stored = stored.view(torch.uint8)
+    return stored.reshape(scale_like.shape)
 
 
 def _fp8(w: Tensor, scale_like: Tensor) -> dict[str, Tensor]:
     """FP8 values and scales shaped like ``scale_like``: a 128x128 block grid, one per output
     row (``[out, 1]`` / ``[out]``) or one for the tensor."""
     out, inp = w.shape
-    grid = quantization.fp8_scale_grid(out, inp)
-    if tuple(scale_like.shape) == grid:
-        ob, ib = grid
-        if out % _BLOCK == 0 and inp % _BLOCK == 0:  # whole blocks: reshaped, the scales broadcast
-            blocks = w.reshape(ob, _BLOCK, ib, _BLOCK)
-            scale = stored_scale(blocks.abs().amax(dim=(1, 3)) / _E4M3_MAX, scale_like.dtype)
-            values = (blocks / scale_values(scale)[:, None, :, None]).clamp_(-_E4M3_MAX, _E4M3_MAX)
-            return {"value": values.to(torch.float8_e4m3fn).reshape(out, inp), "value_scale": scale}
-        padded = F.pad(w, (0, ib * _BLOCK - inp, 0, ob * _BLOCK - out))
-        amax = padded.abs().reshape(ob, _BLOCK, ib, _BLOCK).amax(dim=(1, 3))
-        scale = stored_scale(amax / _E4M3_MAX, scale_like.dtype)
-        full = scale_values(scale).repeat_interleave(_BLOCK, 0).repeat_interleave(_BLOCK, 1)[:out, :inp]
-    elif scale_like.numel() == out and out > 1 or tuple(scale_like.shape) in ((out, 1), (out,)):
-        scale = stored_scale(w.abs().amax(dim=1) / _E4M3_MAX, scale_like.dtype).reshape(scale_like.shape)
-        full = scale_values(scale).reshape(out, 1)
+    dtype = _rounding_dtype(scale_like)
+    if tuple(scale_like.shape) == quantization.fp8_scale_grid(out, inp):
+        values, scale = quantization._quantize_matrix(w, "fp8", None, dtype)
+        return {"value": values, "value_scale": _stored(scale, scale_like)}
+    if scale_like.numel() == out and out > 1 or tuple(scale_like.shape) in ((out, 1), (out,)):
+        scale = quantization._safe_scale(w.abs().amax(dim=1), "fp8", dtype)
+        full = scale.reshape(out, 1)
     elif scale_like.numel() == 1:
-        scale = stored_scale(w.abs().amax().reshape(1) / _E4M3_MAX, scale_like.dtype).reshape(scale_like.shape)
-        full = scale_values(scale).reshape(1, 1)
+        scale = quantization._safe_scale(w.abs().amax().reshape(1), "fp8", dtype)
+        full = scale.reshape(1, 1)
     else:
         raise ValueError(f"FP8 scales of shape {tuple(scale_like.shape)} for a [{out}, {inp}] weight")
     values = (w / full).clamp(-_E4M3_MAX, _E4M3_MAX).to(torch.float8_e4m3fn)
-    return {"value": values, "value_scale": scale}
+    return {"value": values, "value_scale": _stored(scale, scale_like)}
 
 
 def _int8(w: Tensor, scale_like: Tensor) -> dict[str, Tensor]:
     """INT8 values with one scale per output row, or one for the tensor, shaped like ``scale_like``."""
-    per_row = scale_like.numel() != 1
-    amax = w.abs().amax(dim=1) if per_row else w.abs().amax().reshape(1)
-    scale = stored_scale(amax / 127.0, scale_like.dtype).reshape(scale_like.shape)
-    full = scale_values(scale).reshape(-1, 1)
-    return {"value": torch.round(w / full).clamp(-127, 127).to(torch.int8), "value_scale": scale}
+    dtype = _rounding_dtype(scale_like)
+    if scale_like.numel() != 1:
+        values, scale = quantization._quantize_matrix(w, "int8", None, dtype)
+    else:
+        scale = quantization._safe_scale(w.abs().amax().reshape(1), "int8", dtype)
+        values = torch.round(w / scale).clamp(-127, 127).to(torch.int8)
+    return {"value": values, "value_scale": _stored(scale, scale_like)}
 
 
 def _int4_codes(w: Tensor, groups: int, scale_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """(the 4-bit codes q + 8 of ``w [out, in]`` as kt's bytes ``[out, in/2]`` (column 2j in the
     low nibble of byte j), the scales ``[out, groups]`` in ``scale_dtype``)."""
-    out, inp = w.shape
-    grouped = w.reshape(out, groups, inp // groups)
-    scale = stored_scale(grouped.abs().amax(dim=2) / 7.0, scale_dtype)
-    q = torch.round(grouped / scale_values(scale)[:, :, None]).clamp(-8, 7).to(torch.int16) + 8
-    q = q.reshape(out, inp).to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous(), scale
+    codes, scale = quantization._quantize_matrix(w, "int4", w.shape[1] // groups, scale_dtype)
+    return codes.contiguous(), scale.to(scale_dtype)
 
 
 def _compressed_int4(w: Tensor, scale_like: Tensor) -> dict[str, Tensor]:

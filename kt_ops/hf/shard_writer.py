@@ -5,9 +5,9 @@ of a 650 GB checkpoint would be held whole. The format is simple enough to strea
 8-byte little-endian header length, a JSON header (``{key: {"dtype", "shape", "data_offsets"}}``
 and ``__metadata__``, padded with spaces to 8 bytes), then the tensors' bytes back to back. A
 :class:`StreamingShard` writes the header from a plan made beforehand (names, dtypes, shapes),
-then each tensor's bytes as they come, checking each against the plan. :func:`raw_copy` copies a
-stored tensor's bytes from its shard straight across, so an untouched tensor is byte-identical
-and never decoded.
+then each tensor's bytes as they come, checking each against the plan; its :meth:`copy_from`
+copies a stored tensor's bytes from its shard straight across, so an untouched tensor is
+byte-identical and never decoded.
 """
 from __future__ import annotations
 
@@ -20,20 +20,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+from kt_ops.hf.shards import nbytes_of
+
 # torch dtype -> safetensors' dtype name
 ST_DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
              torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2", torch.float8_e8m0fnu: "F8_E8M0",
              torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
              torch.bool: "BOOL"}
-_ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "F16": 2, "BF16": 2, "I16": 2, "U16": 2}
 COPY_CHUNK = 64 << 20
-
-
-def nbytes_of(dtype: str, shape) -> int:
-    n = _ITEMSIZE.get(dtype, 1)
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def read_header(file: str) -> tuple[dict, int, Optional[dict]]:

@@ -49,13 +49,18 @@ class TensorRef:
 
     @property
     def nbytes(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n * _ITEMSIZE.get(self.dtype, 1)
+        return nbytes_of(self.dtype, self.shape)
 
 
 _ITEMSIZE = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2, "I16": 2, "U16": 2}
+
+
+def nbytes_of(dtype: str, shape) -> int:
+    """The bytes of a stored tensor of safetensors dtype ``dtype`` (one byte unless listed) and ``shape``."""
+    n = _ITEMSIZE.get(dtype, 1)
+    for d in shape:
+        n *= int(d)
+    return n
 
 
 def tensor_refs(file: str) -> list[TensorRef]:
