@@ -59,12 +59,12 @@ class _TokenClock:
 
 
 def adapter_rank(adapter_dir: str) -> tuple[int, float]:
-    """(r, lora_alpha) of ``adapter_dir``'s adapter_config.json (ValueError naming the directory
-    where there is none)."""
-    from kt_ops.hf.adapters import read_adapter_config
+    """(r, lora_alpha) of ``adapter_dir``'s adapter_config.json, checked as loading checks it
+    (ValueError naming the directory where there is none or it does not fit)."""
+    from kt_ops.hf.adapters import lora_fields, read_adapter_config
 
-    config = read_adapter_config(adapter_dir)
-    return int(config["r"]), float(config.get("lora_alpha", config["r"]))
+    r, alpha, _ = lora_fields(read_adapter_config(adapter_dir, "--adapter"), f"--adapter {adapter_dir!r}")
+    return r, alpha
 
 
 def load(model_dir: str, adapter_dir: Optional[str] = None, expert_format: Optional[str] = None,
