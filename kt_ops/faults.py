@@ -6,9 +6,16 @@ collective and would wait forever. So:
 
 * every kt kernel that fails while a process group is registered here writes its rank and
   message to the group's store (:func:`report_failure`, called by the kernels' wrappers);
-* every kt collective waits by polling its work and, between polls, the store
+* every kt collective blocks on its work (no spinning: the waiting thread sleeps on the work's
+  completion) and, once a second while it has not completed, asks the store
   (:func:`wait_for`); when another rank has reported, it raises ``RemoteRankFailure``
-  (a ``RuntimeError``) carrying that rank's message.
+  (a ``RuntimeError``) carrying that rank's message. A rank that fails under
+  :func:`fail_fast` also aborts its process groups, which completes the others' works with an
+  error at once; the store check covers failures without that abort.
+
+The store lives in one rank's process (rank 0, often the expert owner), so every query is
+work for that process: a rank asks it at most ``CHECK_INTERVAL_S``-ly (:func:`store_queries`
+counts what this process asked).
 
 After a failure the group is poisoned: later kt collectives on it raise at once, since
 the ranks are no longer in step.
@@ -23,6 +30,7 @@ from typing import Optional
 import torch.distributed as dist
 
 _KEY_PREFIX = "kt_ops/faults"
+CHECK_INTERVAL_S = 1.0  # the most often a rank asks the store whether another rank failed
 
 
 class RemoteRankFailure(RuntimeError):
@@ -37,6 +45,8 @@ class _Channel:
         self.world_size = world_size
         self.failure: Optional[str] = None  # set once a failure is seen: the group is poisoned
         self.reported_here = False  # this rank reported a failure of its own
+        self.queries = 0  # store round trips made by this channel (benchmarks read it)
+        self._last_check = float("-inf")  # time.monotonic() of the last "count" query
 
     def key(self, what: str) -> str:
         return f"{_KEY_PREFIX}/{self.group_name}/{what}"
@@ -53,10 +63,16 @@ class _Channel:
             pass
 
     def remote_failure(self) -> Optional[str]:
-        """Message of the first rank (by rank order) that reported, or None."""
+        """Message of the first rank (by rank order) that reported, or None. Asks the store
+        at most once per CHECK_INTERVAL_S (None in between, unless a failure is known)."""
         if self.failure is not None:
             return self.failure
+        now = time.monotonic()
+        if now - self._last_check < CHECK_INTERVAL_S:
+            return None
+        self._last_check = now
         try:
+            self.queries += 1
             reported = self.store.add(self.key("count"), 0)
         except Exception as error:  # the store's host (usually rank 0) is gone
             self.failure = f"the job's store is unreachable, a rank probably died ({error})"
@@ -69,6 +85,7 @@ class _Channel:
     def failure_of_others(self) -> Optional[str]:
         """What the other ranks reported (read from the store now), or None."""
         try:
+            self.queries += 1
             if self.store.add(self.key("count"), 0) == 0:
                 return None
             return self._messages(r for r in range(self.world_size) if r != self.rank) or None
@@ -80,6 +97,7 @@ class _Channel:
         found = []
         for r in ranks:
             key = self.key(f"message/{r}")
+            self.queries += 1
             if self.store.check([key]):
                 found.append(f"rank {r} failed: {self.store.get(key).decode(errors='replace')}")
         return "; ".join(found)
@@ -119,21 +137,42 @@ def check_group(group: dist.ProcessGroup) -> None:
         raise RemoteRankFailure(f"kt_ops: {failure}")
 
 
-def wait_for(works, group: dist.ProcessGroup, poll_max_s: float = 0.005) -> None:
+def wait_for(works, group: dist.ProcessGroup) -> None:
     """Wait for async c10d works, raising RemoteRankFailure if a rank reports a failure.
 
-    Works that cannot be polled from the host (NCCL's complete on the GPU stream) are
-    waited for normally: their collectives are enqueued, not blocking.
+    On gloo the thread sleeps on each work's future (woken when it completes or fails) for
+    CHECK_INTERVAL_S at a time and asks the store between those sleeps: a waiting rank costs
+    no CPU and at most one store query a second. Works that cannot be watched from the host
+    (NCCL's complete on the GPU stream) are waited for normally: their collectives are
+    enqueued, not blocking.
     """
     pending = [w for w in works if w is not None]
     if group.size() > 1 and dist.get_backend(group) == "gloo":
-        pause = 0.0001
-        while not all(w.is_completed() for w in pending):
-            check_group(group)
-            time.sleep(pause)
-            pause = min(pause * 2, poll_max_s)
+        start, cpu_start = time.perf_counter(), time.process_time()
+        for work in pending:
+            finished = threading.Event()
+            work.get_future().then(lambda _future: finished.set())  # runs on success and on error
+            while not finished.wait(CHECK_INTERVAL_S):
+                check_group(group)
+        _waited[0] += time.perf_counter() - start
+        _waited[1] += time.process_time() - cpu_start
     for w in pending:
         w.wait()  # surfaces the work's own error, if any
+
+
+_waited = [0.0, 0.0]  # wall seconds this process spent in wait_for, and its CPU seconds meanwhile
+
+
+def waiting_time() -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the whole process) spent waiting in kt collectives on gloo:
+    the CPU share of a waiting rank, gloo's own transfer threads included (for benchmarks)."""
+    return _waited[0], _waited[1]
+
+
+def store_queries() -> int:
+    """Store round trips this process's failure channels have made (for benchmarks)."""
+    with _lock:
+        return sum(channel.queries for channel in _channels.values())
 
 
 # ---- fault injection, for tests of the failure paths ---------------------------------------

@@ -155,3 +155,38 @@ def test_trainable_router_alone_carries_every_rank_through_backward():
     assert not results[0]["outcome"]["raised"] and not results[1]["outcome"]["raised"], results
     assert results[0]["grads"]["gate_lora_a"] and results[0]["grads"]["gate.weight"]
     assert results[1]["grads"] == {"gate.weight": True, "grad_anchor": True, "expert_grad_norm": True}
+
+
+def _waiting_rank_worker(rank, world_size, owner_busy_s):
+    """The owner is busy for owner_busy_s before joining a gather; the other rank waits in it.
+    Returns the waiting rank's CPU seconds and store queries during its wait."""
+    import resource
+
+    import torch.distributed as dist
+
+    import kt_ops  # noqa: F401  registers the kt ops
+    from kt_ops import faults
+
+    rows = torch.randn(4, 8)
+    group_name = dist.group.WORLD.group_name
+    torch.ops.kt.gather_to_owner([rows], rank, world_size, 0, 1, group_name)  # warm-up: registers the group
+    dist.barrier()
+    queries, cpu, start = faults.store_queries(), resource.getrusage(resource.RUSAGE_SELF), time.monotonic()
+    if rank == 0:
+        time.sleep(owner_busy_s)  # the owner computing
+    torch.ops.kt.gather_to_owner([rows], rank, world_size, 0, 2, group_name)
+    used = resource.getrusage(resource.RUSAGE_SELF)
+    return dict(wall_s=time.monotonic() - start, queries=faults.store_queries() - queries,
+                cpu_s=(used.ru_utime - cpu.ru_utime) + (used.ru_stime - cpu.ru_stime))
+
+
+def test_a_waiting_rank_sleeps_and_rarely_asks_the_store():
+    """A rank waiting 3 s in a kt collective for a busy owner asks the store at most once a
+    second (the old polling asked ~200 times a second) and uses almost no CPU (the bound here
+    is loose for loaded CI machines; benchmarks/sharded_layer.py measures the share)."""
+    results = check_all_ok(run_ranks(_waiting_rank_worker, 2, 3.0, timeout_s=90))
+    waiter = results[1]
+    print(f"\nwaiting rank: {waiter}")
+    assert waiter["wall_s"] >= 2.5, waiter
+    assert waiter["queries"] <= waiter["wall_s"] / 1.0 + 2, waiter
+    assert waiter["cpu_s"] <= 0.2 * waiter["wall_s"], waiter
