@@ -62,8 +62,8 @@ def _one_run(args) -> dict:
         output_dir=args.scratch, per_device_train_batch_size=args.batch_size, max_steps=args.steps,
         learning_rate=1e-3, logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=False,
         max_length=args.max_length, packing=args.packed, padding_free=args.packed, dataset_text_field="text",
-        gradient_checkpointing=True, seed=0, data_seed=0, dataloader_num_workers=0,
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
+        activation_checkpointing=True, seed=0, data_seed=0, dataloader_num_workers=0,
+        activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     trainer = trl.SFTTrainer(model=model, args=config, train_dataset=data, processing_class=byte_tokenizer(),
                              peft_config=peft.LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
                                                          target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]),

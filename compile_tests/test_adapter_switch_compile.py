@@ -96,7 +96,7 @@ def _dpo_like_step(model, fn, ids, reference_between: bool):
 def test_reference_pass_between_forward_and_backward(patched, compiled):
     _, model = patched
     model.train()
-    model.get_base_model().gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    model.get_base_model().activation_checkpointing_enable(activation_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     # transformers makes the embeddings' output require grad for a PEFT model (a requires_grad_
     # hook, which torch.compile refuses); non-reentrant checkpointing needs no such input.

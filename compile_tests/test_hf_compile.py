@@ -82,7 +82,7 @@ def test_qwen2_moe_compiled_with_gradient_checkpointing():
     ids = input_ids()
     eager = step(model, model, ids)
     checkpointed = copy.deepcopy(model)
-    checkpointed.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    checkpointed.activation_checkpointing_enable(activation_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     compiled = torch.compile(checkpointed, backend="aot_eager", fullgraph=True)
     n_moe = len(patched_blocks(model))
@@ -105,7 +105,7 @@ def test_new_families_compiled_with_kt_checkpointing(name):
     model = with_lora(family_model(family))
     ids = input_ids()
     eager = step(model, model, ids)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)

@@ -94,7 +94,7 @@ def test_patched_model_with_int4_experts_compiles_with_hf_checkpointing():
                 p.normal_(0, 0.2)
     ids = input_ids(4)
     eager = model_step(model, model, ids)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     torch._dynamo.utils.counters.clear()
     compiled = torch.compile(model, backend="aot_eager", fullgraph=True)

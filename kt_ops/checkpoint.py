@@ -14,7 +14,7 @@ recompute" machinery. Usage::
     torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False,
                                       context_fn=kt_ops.checkpoint_context_fn)
     # or: kt_ops.checkpoint(block, x)
-    # Hugging Face: model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
+    # Hugging Face: model.activation_checkpointing_enable(activation_checkpointing_kwargs={
     #     "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
 
 Without the policy, a distributed KT layer raises (see kt_ops/collectives.py) instead of

@@ -224,3 +224,35 @@ def test_merge_throughput_times_bf16_and_fp8_bases():
     assert rows[0]["merged"] == layers * per_layer  # q/k/v/o and each expert's gate, up, down
     assert rows[1]["merged"] == 2 * layers * per_layer  # FP8: each value tensor and its scales
     assert all(r["peak"] > 0 and r["seconds"][0] > 0 for r in rows)
+
+
+def test_isa_peak_op_measures_every_path_here_and_refuses_the_others():
+    """torch.ops.kt._isa_peak_flops: one positive rate per intra-op thread on each path this CPU
+    runs; the portable path (no instruction of its own), a path the CPU lacks and an unknown name
+    are refused by name."""
+    import torch
+
+    from kt_ops.cpu_isa import ISAS
+
+    for isa in supported_cpu_isas()[1:]:
+        rates = torch.ops.kt._isa_peak_flops(isa, 100_000)
+        assert len(rates) == torch.get_num_threads() and all(r > 0 for r in rates), (isa, rates)
+    with pytest.raises(RuntimeError, match="portable path"):
+        torch.ops.kt._isa_peak_flops("portable", 10)
+    for isa in ISAS[len(supported_cpu_isas()):]:
+        with pytest.raises(RuntimeError, match=isa):
+            torch.ops.kt._isa_peak_flops(isa, 10)
+    with pytest.raises(Exception, match="isa"):
+        torch.ops.kt._isa_peak_flops("avx3", 10)
+
+
+def test_isa_peak_fraction_reports_every_path_and_mode():
+    """benchmarks/isa_peak_fraction.py on the tiny case: a row per path and mode, its GFLOP/s the
+    mode's FLOPs over the step time, and the fraction of that path's measured peak."""
+    from benchmarks import isa_peak_fraction
+
+    rows = isa_peak_fraction.main(["--cases", "tiny", "--repeats", "1", "--warmup", "0"])
+    paths = [i for i in supported_cpu_isas() if i != "portable"]
+    assert [(r["mode"], r["isa"]) for r in rows] == [(m, i) for m in ("fwd", "lora", "full") for i in paths]
+    for r in rows:
+        assert r["gflops"] > 0 and r["peak"] > 0 and r["fraction"] == pytest.approx(r["gflops"] / r["peak"])

@@ -205,6 +205,48 @@ def test_kt_registered_as_a_transformers_experts_implementation():
             assert rel_err(p.grad, q.grad) <= 1e-5, name
 
 
+_FRESH_PROCESS_KT_EXPERTS = r"""
+import sys, torch
+if sys.argv[1] == "transformers-first":
+    import transformers
+import kt_ops
+from kt_ops import _kernels
+assert (sys.argv[1] == "transformers-first") == ("transformers" in sys.modules), "import kt_ops imported transformers"
+import transformers
+config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=8, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=2, num_experts=8,
+    num_experts_per_tok=2, initializer_range=0.15)
+torch.manual_seed(0)
+transformers.Qwen3MoeForCausalLM(config).save_pretrained(sys.argv[2])
+ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(0))
+eager = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], experts_implementation="eager").eval()
+kt = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2], experts_implementation="kt").eval()
+switched = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[2]).eval()
+switched.set_experts_implementation("kt")
+with torch.no_grad():
+    ref = eager(input_ids=ids).logits
+    _kernels.calls.clear()
+    for model in (kt, switched):
+        err = float((model(input_ids=ids).logits - ref).abs().max() / ref.abs().max())
+        assert err <= 1e-5, err
+    assert _kernels.calls["moe_forward"] == 4, dict(_kernels.calls)  # 2 models x 2 MoE layers through kt.moe
+print("ok")
+"""
+
+
+@pytest.mark.parametrize("order", ["kt_ops-first", "transformers-first"])
+def test_kt_experts_implementation_after_import_kt_ops(order, tmp_path):
+    """In a fresh process, ``import kt_ops`` (before or after transformers, without importing it
+    itself) is all ``from_pretrained(..., experts_implementation="kt")`` and
+    ``set_experts_implementation("kt")`` need: both run kt.moe, logits equal to eager experts."""
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _FRESH_PROCESS_KT_EXPERTS, order, str(tmp_path / "model")],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-3000:]
+
+
 def test_train_base_and_deepcopy():
     patched = kt_ops.patch_model(tiny_model("qwen3_moe"), train_base=True)
     kt = patched.model.layers[0].mlp.experts
@@ -303,6 +345,8 @@ def test_gradient_checkpointing(arch):
     patched(input_ids=ids, labels=ids, use_cache=False).loss.backward()
     ref = {n: p.grad.clone() for n, p in patched.named_parameters() if p.grad is not None}
     assert any("lora" in n for n in ref) and any(n.endswith("mlp.gate.weight") for n in ref)
+    # transformers' deprecated alias, on purpose (the docs and the other tests use
+    # activation_checkpointing_enable(activation_checkpointing_kwargs=...)): both must work
     patched.gradient_checkpointing_enable(gradient_checkpointing_kwargs={
         "use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     n_moe = len(patched_blocks(patched))

@@ -3,7 +3,7 @@
 because patch_model marked the owner-only expert tensors; see kt_ops.distributed): the same
 logged losses and trained tensors (fp32, SGD), with the expert LoRA alone and with the routers
 and attention q_proj as well, the latter with HF gradient checkpointing and the kt policy given
-through ``TrainingArguments(gradient_checkpointing_kwargs=...)``, and with gradient clipping
+through ``TrainingArguments(activation_checkpointing_kwargs=...)``, and with gradient clipping
 (``max_grad_norm=1.0``: every rank clips by the global norm, the experts' included, because
 each KT layer shares its owner's expert-gradient norm). Both ranks end with the same replicated
 tensors."""

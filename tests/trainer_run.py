@@ -61,8 +61,8 @@ def main(argv=None):
         logging_steps=1, save_strategy="steps" if args.save_steps else "no", save_steps=args.save_steps or 500,
         report_to=[], use_cpu=True, seed=0, data_seed=0,
         dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None,
-        gradient_checkpointing=args.checkpointing,
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn}
+        activation_checkpointing=args.checkpointing,
+        activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn}
         if args.checkpointing else None)
     from kt_ops.hf.trainer import KTTrainer
 

@@ -139,8 +139,8 @@ def main(argv=None):
                   use_cpu=True, bf16=False, seed=0, data_seed=0, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None,
                   # TRL checkpoints activations by default: with kt's policy (the experts' collectives
                   # must not be replayed in backward)
-                  gradient_checkpointing=True,
-                  gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
+                  activation_checkpointing=True,
+                  activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     tokenizer = byte_tokenizer()
     if args.trainer == "dpo":
         config = trl.DPOConfig(**common, beta=0.1, max_length=64)

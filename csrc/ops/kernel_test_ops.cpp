@@ -1,12 +1,16 @@
 // Ops that expose the instruction-set, weight-packing and buffer-cache switches (schemas in
 // registration.cpp) and the fused kernels one by one (test-only: schemas in the fragment below).
 // Tests use them to run every path on one machine.
+#include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <vector>
 
 #include "gemm/base_gemm.h"
 #include "kernels/convert_rows.h"
 #include "platform/cpu_isa.h"
 #include "kernels/dequantize.h"
+#include "platform/isa_peak.h"
 #include "gemm/amx_gemm.h"
 #include "kernels/dequantize_packed.h"
 #include "kernels/expert_weights.h"
@@ -30,6 +34,17 @@ std::string best_isa() { return cpu_isa_name(best_cpu_isa()); }
 void set_cpu_isa(const std::string& name) { set_active_cpu_isa(parse_cpu_isa(name, "isa")); }
 
 std::string base_gemm_path_op(at::ScalarType dtype) { return base_gemm_path(dtype); }
+
+// The path's multiply-add peak, FLOP/s of each of torch's intra-op threads, all running at once
+// (their sum is the machine's peak at these threads).
+std::vector<double> isa_peak_flops_op(const std::string& isa, int64_t iterations) {
+  const CpuIsa path = parse_cpu_isa(isa, "isa");
+  std::vector<double> rates(at::get_num_threads(), 0.0);
+  at::parallel_for(0, static_cast<int64_t>(rates.size()), 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) rates[t] = isa_peak_flops_one_thread(path, iterations);
+  });
+  return rates;
+}
 
 // src [rows, cols] (rows contiguous) bf16 -> float32 or float32 -> bf16 on one path.
 at::Tensor convert_rows_op(const at::Tensor& src, at::ScalarType dtype, const std::string& isa) {
@@ -241,6 +256,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> swiglu_backward_op(
 TORCH_LIBRARY_FRAGMENT(kt, m) {
   // The fused kernels on their own, with an explicit path, so that tests compare every path
   // with the reference loop (the kernels below). Not part of the API.
+  m.def("_isa_peak_flops(str isa, int iterations) -> float[]");
   m.def("_small_gemm(Tensor? c, Tensor a, Tensor b, float alpha, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_thin_gemm_nt(Tensor x, Tensor w, ScalarType out_dtype, str isa) -> Tensor");
   m.def("_swiglu_forward(Tensor g, Tensor u, str isa, float? limit=None, str activation=\"silu\", "
@@ -287,6 +303,7 @@ TORCH_LIBRARY_IMPL(kt, CompositeExplicitAutograd, m) {
   m.impl("_best_cpu_isa", &best_isa);
   m.impl("_set_cpu_isa", &set_cpu_isa);
   m.impl("_base_gemm_path", &base_gemm_path_op);
+  m.impl("_isa_peak_flops", &isa_peak_flops_op);
   m.impl("_quant_gemm_path", &quant_gemm_path_op);
   m.impl("_set_weight_packing", &set_weight_packing);
   m.impl("_set_amx", &set_amx_enabled);

@@ -113,8 +113,8 @@ def run(argv=None) -> dict:
         learning_rate=args.lr, lr_scheduler_type="constant", beta=args.beta, max_length=args.max_length,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, bf16=args.dtype == "bfloat16",
         seed=args.seed, data_seed=args.seed, dataloader_num_workers=0, ddp_backend="gloo" if world > 1 else None,
-        gradient_checkpointing=True,
-        gradient_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
+        activation_checkpointing=True,
+        activation_checkpointing_kwargs={"use_reentrant": False, "context_fn": kt_ops.checkpoint_context_fn})
     train, held_out = read_pairs(args.data)
     trainer = trl.DPOTrainer(model=model, ref_model=None, args=config, train_dataset=train, eval_dataset=held_out,
                              processing_class=byte_tokenizer())

@@ -3,9 +3,10 @@
 - :func:`patch_model` moves the routed experts of transformers 5.x MoE models (any family
   whose experts module follows transformers' experts contract with SwiGLU experts) onto kt:
   each experts module becomes a :class:`KTExperts` on the owner rank's CPU, in place.
-- :func:`register_kt_experts` adds ``"kt"`` to transformers' experts implementations
-  (``model.set_experts_implementation("kt")``: kt.moe on the module's own weights);
-  patch_model calls it.
+- ``"kt"`` is one of transformers' experts implementations once ``kt_ops`` is imported
+  (``from_pretrained(..., experts_implementation="kt")``, ``model.set_experts_implementation("kt")``:
+  kt.moe on the module's own weights), registered when transformers loads its experts module
+  (:mod:`kt_ops.hf.experts_registration`); :func:`register_kt_experts` does it by hand.
 - :func:`from_pretrained` builds a patched model straight from a checkpoint's safetensors
   shards (bf16, FP8 blocks, compressed-tensors INT4), with bounded memory (:mod:`kt_ops.hf.loading`).
 - :func:`get_peft_model` puts PEFT LoRA on the other modules (attention) of a patched model;
@@ -22,6 +23,7 @@ Importing this package does not import transformers or peft (they are imported l
 """
 from kt_ops.hf.adapters import save_adapter
 from kt_ops.hf.experts import KTExperts, experts_support, register_kt_experts
+from kt_ops.hf.experts_registration import register_when_transformers_loads
 from kt_ops.hf.loading import from_pretrained
 from kt_ops.hf.merge import merge_adapter
 from kt_ops.hf.patch import patch_model, patched_experts
@@ -29,3 +31,5 @@ from kt_ops.hf.peft_attention import get_peft_model, load_adapter
 
 __all__ = ["from_pretrained", "get_peft_model", "merge_adapter", "patch_model", "patched_experts", "save_adapter", "load_adapter", "KTExperts", "experts_support",
            "register_kt_experts"]
+
+register_when_transformers_loads()
