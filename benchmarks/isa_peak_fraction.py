@@ -32,8 +32,10 @@ from kt_ops.cpu_isa import supported_cpu_isas
 PEAK_ITERATIONS = 50_000_000  # ~0.1-0.3 s per thread on these CPUs
 
 
-def isa_peak_gflops(isa: str, repeats: int = 3) -> float:
-    """The path's peak on every intra-op thread at once, GFLOP/s (the best of ``repeats``)."""
+def isa_peak_gflops(isa: str, repeats: int = 5) -> float:
+    """The path's peak on every intra-op thread at once, GFLOP/s (the best of ``repeats``, after
+    an untimed call that starts the threads: the first read 138 of 200 GFLOP/s on a Zen 3)."""
+    torch.ops.kt._isa_peak_flops(isa, PEAK_ITERATIONS // 10)
     return max(sum(torch.ops.kt._isa_peak_flops(isa, PEAK_ITERATIONS)) for _ in range(repeats)) / 1e9
 
 
