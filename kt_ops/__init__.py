@@ -40,6 +40,7 @@ except ModuleNotFoundError as error:
 from kt_ops import collectives  # noqa: F401
 from kt_ops import shard_collectives  # noqa: F401
 from kt_ops import scale_grad  # noqa: F401
+from kt_ops import linear as _linear  # noqa: F401  (kt.linear's autograd)
 from kt_ops.cpu_isa import cpu_isa, set_cpu_isa, use_cpu_isa
 from kt_ops.weight_packing import (packed_weights_info, release_packed_weights, set_weight_packing,
                                    weight_packing_enabled)

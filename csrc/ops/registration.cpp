@@ -114,6 +114,12 @@ TORCH_LIBRARY(kt, m) {
       "-> (Tensor[] rows_out, Tensor[] slots_out)",
       {at::Tag::pt2_compliant_tag});
 
+  // nn.Linear on kt's base-GEMM paths (csrc/ops/linear.cpp: bf16 storage at float32 speed on CPUs
+  // without AVX512-BF16) and its two gradients; autograd in kt_ops/linear.py.
+  m.def("linear(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("linear_input_grad(Tensor grad, Tensor weight) -> Tensor", {at::Tag::pt2_compliant_tag});
+  m.def("linear_weight_grad(Tensor grad, Tensor x) -> Tensor", {at::Tag::pt2_compliant_tag});
+
   // Identity whose gradient is multiplied by `scale` (kt_ops/layer.py uses it to give the
   // owner's expert gradients DDP's average-over-ranks meaning).
   m.def("scale_grad(Tensor self, float scale) -> Tensor", {at::Tag::pt2_compliant_tag});

@@ -436,16 +436,18 @@ def run(argv=None) -> FinetuneResult:
 
 
 def slow_bf16_note(dtype: torch.dtype, device_type: str, best_isa: str) -> Optional[str]:
-    """Why ``--dtype bfloat16`` is slow on this machine, or None. kt_ops' experts run bf16 on any
-    CPU (float32 panels where the CPU has no AVX512-BF16), but the model's other layers run
-    PyTorch's own bf16 GEMMs, which are slow on such CPUs: the default job on an AVX2 Zen 3 ran
-    630 tokens/s in bf16 against 5,755 in float32, 85% of the bf16 step in ``aten::mm`` outside
-    the experts (README, Fine-tuning)."""
+    """Why ``--dtype bfloat16`` is slower on this machine, or None. kt_ops' experts and the model's
+    nn.Linear layers (``kt.linear``, which patch_model routes them through on such CPUs) run bf16
+    on float32 panels where the CPU has no AVX512-BF16, but the model's remaining bf16 ops (the
+    attention's matmuls, ...) are PyTorch's, slow there: the default job on an AVX2 Zen 3 ran
+    3,745 tokens/s in bf16 against 4,929 in float32 (660 in bf16 before kt.linear;
+    docs/finetune.md)."""
     if dtype != torch.bfloat16 or device_type != "cpu" or best_isa == "avx512_bf16":
         return None
     return (f"--dtype bfloat16 with the model on a CPU without AVX512-BF16 (kt_ops path {best_isa}): the layers "
-            "outside the experts run PyTorch's bf16 GEMMs, several times slower than float32 on this CPU; "
-            "--dtype float32 trains faster here (the experts' own speed is about the same in both)")
+            "outside the experts and the linear layers (attention's matmuls, ...) run PyTorch's bf16 kernels, "
+            "slower than float32 on this CPU (the demo: 0.76x); --dtype float32 trains faster here if it fits "
+            "(it holds the weights twice as large)")
 
 
 def _run(args, rank: int, world_size: int) -> FinetuneResult:

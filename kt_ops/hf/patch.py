@@ -26,6 +26,7 @@ from kt_ops.expert_init import draw_experts
 from kt_ops.hf.expert_layout import ExpertsLayout
 from kt_ops.hf.experts import (KTExperts, experts_support, gating_of, is_experts_module, kt_experts_class,
                                register_kt_experts)
+from kt_ops.linear import bf16_gemms_are_slow, use_kt_linear
 from kt_ops.layer import _BASE_NAMES, _BIAS_NAMES, _GLOBAL_SCALE_NAMES, _SCALE_NAMES, KTMoE
 from kt_ops.placement import resolve as resolve_placement
 
@@ -46,7 +47,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
                 process_group: Optional[dist.ProcessGroup] = None, expert_format: Optional[str] = None,
                 group_size: Optional[int] = None,
                 expert_replica_group: Optional[dist.ProcessGroup] = None,
-                owners: Optional[str] = None, expert_shards: int = 1) -> nn.Module:
+                owners: Optional[str] = None, expert_shards: int = 1,
+                kt_linear: Optional[bool] = None) -> nn.Module:
     """Replace, in place, every transformers experts module of ``model`` by a
     :class:`~kt_ops.hf.experts.KTExperts` whose experts live on the owner rank's CPU.
 
@@ -96,6 +98,10 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         expert_shards: S > 1 splits each experts module's experts into S contiguous ranges held
             by the first S ranks (of each node with ``owners="per-node"``); each owner keeps
             only its range of the model's experts (:class:`~kt_ops.KTMoE`).
+        kt_linear: route the model's other ``nn.Linear`` layers (attention, dense MLPs, the LM
+            head) through ``kt.linear`` (:mod:`kt_ops.linear`: bf16 storage at float32 speed);
+            None (default): where this CPU's bf16 GEMMs are PyTorch's slow fallback (no
+            AVX512-BF16), which changes nothing for float32 inputs or GPU tensors.
 
     Returns:
         ``model`` (patched in place). Parameters outside the experts keep their
@@ -117,6 +123,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         raise ValueError(f"patch_model: lora_alpha must be a finite number or None, got {lora_alpha!r}")
     if lora_alpha is None:
         lora_alpha = float(max(lora_rank, 1))
+    if kt_linear is not None and not isinstance(kt_linear, bool):
+        raise ValueError(f"patch_model: kt_linear must be True, False or None (auto), got {kt_linear!r}")
     fmt = quantization.ExpertFormat.parse(expert_format, group_size, "patch_model")  # once: passed down as is
     fmt.check_trainable(train_base, "patch_model")
 
@@ -149,6 +157,8 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
     register_kt_experts()
+    if kt_linear if kt_linear is not None else bf16_gemms_are_slow():
+        use_kt_linear(model)
     prepare_ddp(model)  # DistributedDataParallel(model) leaves the owner-only expert tensors alone
     return model
 
