@@ -6,7 +6,9 @@ gloo ranks of this machine, T tokens split evenly over the ranks.
 * ``2 shards, 1 thread each``: expert_shards=2; each rank holds half of the experts and
   computes its half of every token's slots with 1 thread (the same 2 cores in all);
 * ``one process, 2 threads``: the same layer on all T tokens in a single process, no
-  collectives: the op alone at the owner's threads, what the one-owner layer is measured against.
+  collectives: what the one-owner layer is measured against;
+* ``kt.moe alone, 2 threads``: only the layer's kt.moe call (forward + backward) on all T tokens,
+  on the routing its router gives (computed once, untimed): the op alone at the owner's threads.
 
 Also printed, per rank over the timed steps: its CPU share (CPU seconds / wall seconds, all its
 threads, 1.0 = one core), the time a step spends blocked in kt collectives and the CPU share
@@ -37,8 +39,9 @@ from benchmarks.common import cpu_model
 
 # name: (expert shards, threads of each rank)
 CONFIGS = {"one owner, 2 threads": (1, {0: 2, 1: 1}), "2 shards, 1 thread each": (2, {0: 1, 1: 1}),
-           "one process, 2 threads": (1, {0: 2})}
+           "one process, 2 threads": (1, {0: 2}), "kt.moe alone, 2 threads": (1, {0: 2})}
 ALONE = "one process, 2 threads"
+OP_ALONE = "kt.moe alone, 2 threads"  # the layer's kt.moe call only, on routing computed once
 
 
 def _cpu_seconds() -> float:
@@ -46,7 +49,7 @@ def _cpu_seconds() -> float:
     return used.ru_utime + used.ru_stime
 
 
-def _rank(rank, port, shards, threads, args, dtype_name, queue):
+def _rank(rank, port, shards, threads, args, dtype_name, queue, op_only=False):
     world = len(threads)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     import torch.distributed as dist
@@ -79,13 +82,18 @@ def _rank(rank, port, shards, threads, args, dtype_name, queue):
     collectives._all_to_all = counting
     from kt_ops import shard_collectives
     shard_collectives._all_to_all = counting
+    run_step = lambda: layer(x)  # noqa: E731
+    if op_only:  # kt.moe on the routing the layer's router gives, computed once outside the timing
+        with torch.no_grad():
+            weights, ids = layer.gate(x)
+        run_step = lambda: layer._experts(x, ids, weights)  # noqa: E731
     times, cpu, queries, waited = [], 0.0, 0, [0.0, 0.0]
     for step in range(args.steps + 1):
         sent["bytes"] = 0
         dist.barrier()
         start, cpu_start, queries_start = time.perf_counter(), _cpu_seconds(), faults.store_queries()
         waited_start = faults.waiting_time()
-        layer(x).float().sum().backward()
+        run_step().float().sum().backward()
         elapsed = time.perf_counter() - start
         if step:
             times.append(elapsed)
@@ -107,14 +115,14 @@ def _rank(rank, port, shards, threads, args, dtype_name, queue):
     dist.destroy_process_group()
 
 
-def run_config(shards, threads, args, dtype_name):
+def run_config(shards, threads, args, dtype_name, op_only=False):
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     import socket
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [ctx.Process(target=_rank, args=(r, port, shards, threads, args, dtype_name, queue))
+    procs = [ctx.Process(target=_rank, args=(r, port, shards, threads, args, dtype_name, queue, op_only))
              for r in range(len(threads))]
     start, cpu_start = time.perf_counter(), _cpu_seconds()
     for p in procs:
@@ -147,12 +155,14 @@ def main(argv=None):
         results = {name: [] for name in CONFIGS}
         for _ in range(args.repeats):  # alternating, so that both see the same machine load
             for name, (shards, threads) in CONFIGS.items():
-                results[name].append(run_config(shards, threads, args, dtype_name))
+                results[name].append(run_config(shards, threads, args, dtype_name, op_only=name == OP_ALONE))
         base = statistics.median(args.tokens / r["seconds"] for r in results[ALONE])
+        op_base = statistics.median(args.tokens / r["seconds"] for r in results[OP_ALONE])
         for name, runs in results.items():
             rates = [args.tokens / r["seconds"] for r in runs]
             rows.append(dict(dtype=dtype_name, config=name, tokens_per_s=statistics.median(rates), runs=rates,
                              bytes_per_token=runs[0]["bytes"], ratio=statistics.median(rates) / base,
+                             op_ratio=statistics.median(rates) / op_base,
                              cpu_share=[statistics.median(r["cpu_share"][k] for r in runs)
                                         for k in range(len(runs[0]["cpu_share"]))],
                              queries_per_s=[max(r["queries_per_s"][k] for r in runs)
@@ -161,13 +171,14 @@ def main(argv=None):
                              wait=[(statistics.median(r["wait_s"][k] for r in runs),
                                     statistics.median(r["wait_share"][k] for r in runs))
                                    for k in range(len(runs[0]["wait_s"]))]))
-    print(f"| dtype | configuration | tokens/s (median) | runs | vs {ALONE} | all-to-all bytes / token / layer "
+    print(f"| dtype | configuration | tokens/s (median) | runs | vs {ALONE} | vs {OP_ALONE} "
+          "| all-to-all bytes / token / layer "
           "| CPU share per rank (median) | waiting in kt collectives per rank: s/step, CPU share meanwhile (median) "
           "| store queries/s per rank (max) | parent's CPU share (max) |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['dtype']} | {r['config']} | {r['tokens_per_s']:.0f} | {' / '.join(f'{v:.0f}' for v in r['runs'])} "
-              f"| {r['ratio']:.3f} | {r['bytes_per_token']:.0f} | {' / '.join(f'{v:.2f}' for v in r['cpu_share'])} "
+              f"| {r['ratio']:.3f} | {r['op_ratio']:.3f} | {r['bytes_per_token']:.0f} | {' / '.join(f'{v:.2f}' for v in r['cpu_share'])} "
               f"| {' / '.join(f'{s:.2f} s, {c:.3f}' for s, c in r['wait'])} "
               f"| {' / '.join(f'{v:.1f}' for v in r['queries_per_s'])} | {r['parent_share']:.3f} |")
     return rows

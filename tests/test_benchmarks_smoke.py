@@ -169,7 +169,7 @@ def test_decode_formats_alternates_paths():
 
 def test_sharded_layer_times_both_placements_and_counts_the_bytes():
     """benchmarks/sharded_layer.py on a small layer: both placements run on 2 ranks, the layer
-    alone in one process; each rank's store queries stay few (a counter); the bytes
+    alone in one process, its kt.moe call alone; each rank's store queries stay few (a counter); the bytes
     per token are the all-to-all's own (one owner: rank 1's half of the tokens, each way; two
     shards: more, every token reaching up to two owners)."""
     from benchmarks import sharded_layer
@@ -185,8 +185,9 @@ def test_sharded_layer_times_both_placements_and_counts_the_bytes():
     per_token = (H * 4 + K * 8 + K * 4) + H * 4 + H * 4 + (H * 4 + K * 4)
     assert one_owner == per_token * (T // 2) / T
     assert rows[1]["bytes_per_token"] > 0
-    assert rows[2]["bytes_per_token"] == 0  # the layer alone: one process, no all-to-all
-    assert len(rows[0]["cpu_share"]) == 2 and len(rows[2]["cpu_share"]) == 1
+    assert rows[2]["bytes_per_token"] == rows[3]["bytes_per_token"] == 0  # alone: one process, no all-to-all
+    assert rows[3]["op_ratio"] == 1.0 and rows[2]["ratio"] == 1.0
+    assert len(rows[0]["cpu_share"]) == 2 and len(rows[2]["cpu_share"]) == len(rows[3]["cpu_share"]) == 1
     assert all(0 < share for r in rows for share in r["cpu_share"])
     assert all(q <= 10 for r in rows for q in r["queries_per_s"]), rows
 
