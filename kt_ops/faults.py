@@ -151,7 +151,13 @@ def wait_for(works, group: dist.ProcessGroup) -> None:
         start, cpu_start = time.perf_counter(), time.process_time()
         for work in pending:
             finished = threading.Event()
-            work.get_future().then(lambda _future: finished.set())  # runs on success and on error
+            try:
+                work.get_future().then(lambda _future: finished.set())  # runs on success and on error
+            except RuntimeError:  # a work without a future: its completion polled, 20 times a second
+                while not work.is_completed():
+                    check_group(group)  # asks the store at most once per CHECK_INTERVAL_S
+                    time.sleep(0.05)
+                finished.set()
             while not finished.wait(CHECK_INTERVAL_S):
                 check_group(group)
         _waited[0] += time.perf_counter() - start

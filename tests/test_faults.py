@@ -190,3 +190,32 @@ def test_a_waiting_rank_sleeps_and_rarely_asks_the_store():
     assert waiter["wall_s"] >= 2.5, waiter
     assert waiter["queries"] <= waiter["wall_s"] / 1.0 + 2, waiter
     assert waiter["cpu_s"] <= 0.2 * waiter["wall_s"], waiter
+
+
+def _futureless_work_worker(rank, world_size):
+    """wait_for on a work that has no future (get_future raises): its completion is polled."""
+    import torch.distributed as dist
+
+    from kt_ops import faults
+
+    class FuturelessWork:
+        polls, waited = 0, False
+
+        def get_future(self):
+            raise RuntimeError("this work has no future")
+
+        def is_completed(self):
+            self.polls += 1
+            return self.polls >= 3
+
+        def wait(self):
+            self.waited = True
+
+    work = FuturelessWork()
+    faults.wait_for([work], dist.group.WORLD)
+    return dict(polls=work.polls, waited=work.waited)
+
+
+def test_a_work_without_a_future_is_polled_until_complete():
+    results = check_all_ok(run_ranks(_futureless_work_worker, 2, timeout_s=60))
+    assert all(r == dict(polls=3, waited=True) for r in results), results
