@@ -332,9 +332,10 @@ def test_existing_out_dir(cases, tmp_path):
 # Interruption, memory, CLI
 
 
-def test_killed_merge_leaves_no_out_dir(tmp_path):
-    """SIGKILL once the first output shard is in the temporary folder: no out_dir (a killed
-    process cannot clean up; the next merge to the same out_dir works and removes its folder)."""
+def _stop_merge_at_its_first_shard(tmp_path, sig):
+    """Runs ``python -m kt_ops.merge`` on a synthetic base and sends it ``sig`` once its first
+    output shard is in the temporary folder; returns (base, adapter, out_dir's parent, out_dir,
+    the temporary folder seen, the exit status)."""
     base, adapter = tmp_path / "base", tmp_path / "adapter"
     c = ms.write_synthetic_base(base, shards=8, hidden_size=512, moe_intermediate_size=512, num_experts=32,
                                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
@@ -356,14 +357,29 @@ def test_killed_merge_leaves_no_out_dir(tmp_path):
                 time.sleep(0.001)
     finally:
         if proc.poll() is None:
-            proc.send_signal(signal.SIGKILL)
+            proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     assert seen is not None, f"the merge ended (rc {proc.returncode}) before an output shard was seen: {err[-2000:]}"
-    assert proc.returncode == -signal.SIGKILL
+    return base, adapter, parent, out, seen, proc.returncode
+
+
+def test_killed_merge_leaves_no_out_dir(tmp_path):
+    """SIGKILL once the first output shard is in the temporary folder: no out_dir (a killed
+    process cannot clean up; the next merge to the same out_dir works and removes its folder)."""
+    base, adapter, _, out, seen, status = _stop_merge_at_its_first_shard(tmp_path, signal.SIGKILL)
+    assert status == -signal.SIGKILL
     assert not os.path.lexists(out)
     summary = merge(base, adapter, out)
     assert summary.merged and os.path.isdir(out)
     assert not os.path.lexists(seen)  # the killed merge's folder, removed by the next merge to out_dir
+
+
+def test_terminated_merge_cleans_up_as_after_ctrl_c(tmp_path):
+    """SIGTERM (``kill``) once the first output shard is in the temporary folder: the merge removes
+    that folder, writes no out_dir and exits with status 143 (128 + SIGTERM)."""
+    _, _, parent, _, _, status = _stop_merge_at_its_first_shard(tmp_path, signal.SIGTERM)
+    assert status == 128 + signal.SIGTERM
+    assert os.listdir(parent) == []  # neither out_dir nor the temporary folder
 
 
 def test_merge_peak_memory(tmp_path):

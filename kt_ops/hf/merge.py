@@ -44,6 +44,7 @@ from kt_ops.hf.merge_formats import (CONVERSIONS, check_writable, converted_layo
                                      quantization_config)
 from kt_ops.hf.shard_writer import PlannedTensor, StreamingShard, read_header
 from kt_ops.hf.shards import INDEX_FILE, ShardReader, TensorRef, shard_files
+from kt_ops.signals import sigterm_raises_system_exit
 
 OUTPUT_FORMATS = ("same",) + CONVERSIONS
 _LINEAR_KEY = re.compile(r"^(.+)\.lora_([AB])\.weight$")
@@ -121,10 +122,11 @@ def merge_adapter(base_dir: Union[str, os.PathLike], adapter_dir: Union[str, os.
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     try:
-        summary = plan.write(tmp, progress)
-        _write_config_and_files(base_dir, tmp, plan)
-        _replace(tmp, out_dir)
-    except BaseException:  # an error, Ctrl-C: nothing that looks like a checkpoint stays behind
+        with sigterm_raises_system_exit():  # `kill` cleans up as Ctrl-C does
+            summary = plan.write(tmp, progress)
+            _write_config_and_files(base_dir, tmp, plan)
+            _replace(tmp, out_dir)
+    except BaseException:  # an error, Ctrl-C, SIGTERM: nothing that looks like a checkpoint stays behind
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     summary.out_dir = out_dir
