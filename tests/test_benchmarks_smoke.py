@@ -257,3 +257,17 @@ def test_isa_peak_fraction_reports_every_path_and_mode():
     assert [(r["mode"], r["isa"]) for r in rows] == [(m, i) for m in ("fwd", "lora", "full") for i in paths]
     for r in rows:
         assert r["gflops"] > 0 and r["peak"] > 0 and r["fraction"] == pytest.approx(r["gflops"] / r["peak"])
+
+
+def test_linear_bf16_times_every_implementation_and_pass():
+    """benchmarks/linear_bf16.py on a small weight: a row per row count and implementation, a time
+    for each pass except the ones skipped."""
+    from benchmarks import linear_bf16
+
+    rows = linear_bf16.main(["--in-features", "64", "--out-features", "48", "--rows", "1,40", "--repeats", "1",
+                             "--skip", "torch bf16:input grad"])
+    assert [(r["rows"], r["impl"]) for r in rows] == [(n, i) for n in (1, 40)
+                                                      for i in ("torch bf16", "kt.linear bf16", "torch fp32")]
+    for r in rows:
+        for pas in linear_bf16.PASSES:
+            assert (r[pas] is None) == (r["impl"] == "torch bf16" and pas == "input grad"), r

@@ -13,6 +13,11 @@
 namespace kt {
 namespace {
 
+// Up to this many rows (decode), ATen's own bf16 x·Wᵀ streams W once and beats converting W into
+// float32 panels (1 row x [8192, 2048], 2 Zen 3 threads: 8.0 ms against 12.8; 64 rows: 192 against 78).
+// Only the forward layout: ATen's bf16 d·W (the input gradient) is slow at every size.
+constexpr int64_t kAtenForwardMaxRows = 16;
+
 // a and w on the CPU, of one floating dtype; w 2-d (a weight) unless w_is_weight is false.
 void check_operands(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& w,
                     const char* w_name, bool w_is_weight = true) {
@@ -31,7 +36,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, const std::opti
   TORCH_CHECK(x.size(-1) == weight.size(1), "kt.linear: x's last dim (", x.size(-1), ") must equal weight's in ",
               "features (", weight.size(1), ")");
   const at::Tensor rows = x.reshape({-1, x.size(-1)}).contiguous();
-  at::Tensor out = base_mm_nt(rows, weight.contiguous());
+  at::Tensor out = rows.size(0) <= kAtenForwardMaxRows ? at::mm(rows, weight.t())
+                                                       : base_mm_nt(rows, weight.contiguous());
   if (bias.has_value()) {
     TORCH_CHECK(bias->dim() == 1 && bias->size(0) == weight.size(0) && bias->scalar_type() == x.scalar_type(),
                 "kt.linear: bias must be [", weight.size(0), "] of x's dtype, got ", bias->sizes(), " ",
