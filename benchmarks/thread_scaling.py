@@ -6,8 +6,10 @@ and oneDNN state), which is not what the scaling should measure.
     .venv/bin/python -m benchmarks.thread_scaling            # Qwen3-30B-A3B layer, T=1024
 
 Full mode bumps the base weights' version counters every step, as an optimizer step would.
-The last row (mm) is the machine's own scaling for context: forward's base GEMMs as plain
-torch.mm calls, per expert, at the same routing.
+The row mm is the machine's own scaling for context: forward's base GEMMs as plain torch.mm
+calls, per expert, at the same routing. The last row (peak) is the active path's multiply-add
+peak loop (``torch.ops.kt._isa_peak_flops``) on 1 and on N threads: the scaling the arithmetic
+itself allows, which kt.moe's should come within 5% of.
 """
 import argparse
 import statistics
@@ -33,6 +35,21 @@ def mm_step(prob):
     return step
 
 
+def peak_step():
+    """The active path's peak loop on every intra-op thread (its time is that of one thread's
+    loop, so that 1 and N threads compare as the other rows do: N threads ideally N times the work
+    in the same time, reported as the time of the same work)."""
+    import kt_ops
+    from kt_ops.cpu_isa import best_cpu_isa
+
+    isa = kt_ops.cpu_isa() if kt_ops.cpu_isa() != "portable" else best_cpu_isa()
+
+    def step():
+        # the same total work whatever the thread count: each thread runs its share of it
+        torch.ops.kt._isa_peak_flops(isa, 40_000_000 // torch.get_num_threads())
+    return step
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_layer_arguments(p)
@@ -44,8 +61,11 @@ def main(argv=None):
     prob = layer_problem(args)
     rows = []
     threads_before = torch.get_num_threads()
-    for mode in ("fwd", "lora", "full", "mm"):
-        step = mm_step(prob) if mode == "mm" else kt_step(prob, mode)
+    from kt_ops.cpu_isa import best_cpu_isa
+
+    modes = ("fwd", "lora", "full", "mm") + (("peak",) if best_cpu_isa() != "portable" else ())
+    for mode in modes:
+        step = mm_step(prob) if mode == "mm" else peak_step() if mode == "peak" else kt_step(prob, mode)
         for _ in range(3):  # warm-up; kt.moe packs unchanged weights on its third call
             step()
         times = {1: [], args.threads: []}

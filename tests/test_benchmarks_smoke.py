@@ -55,7 +55,7 @@ def test_thread_scaling_runs_every_mode():
     from benchmarks import thread_scaling
     rows = thread_scaling.main(["--tokens", "16", "--hidden", "64", "--intermediate", "32", "--experts", "4",
                                 "--topk", "2", "--rank", "2", "--repeats", "1"])
-    assert [r[0] for r in rows] == ["fwd", "lora", "full", "mm"]
+    assert [r[0] for r in rows] == ["fwd", "lora", "full", "mm", "peak"]
     assert all(one > 0 and many > 0 for _, one, many in rows)
 
 
