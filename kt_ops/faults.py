@@ -14,7 +14,7 @@ collective and would wait forever. So:
   error at once; the store check covers failures without that abort.
 
 The store lives in one rank's process (rank 0, often the expert owner), so every query is
-work for that process: a rank asks it at most ``CHECK_INTERVAL_S``-ly (:func:`store_queries`
+work for that process: a rank asks it at most once per ``CHECK_INTERVAL_S`` (:func:`store_queries`
 counts what this process asked).
 
 After a failure the group is poisoned: later kt collectives on it raise at once, since
@@ -150,14 +150,15 @@ def wait_for(works, group: dist.ProcessGroup) -> None:
     if group.size() > 1 and dist.get_backend(group) == "gloo":
         start, cpu_start = time.perf_counter(), time.process_time()
         for work in pending:
-            finished = threading.Event()
             try:
-                work.get_future().then(lambda _future: finished.set())  # runs on success and on error
+                future = work.get_future()
             except RuntimeError:  # a work without a future: its completion polled, 20 times a second
                 while not work.is_completed():
                     check_group(group)  # asks the store at most once per CHECK_INTERVAL_S
                     time.sleep(0.05)
-                finished.set()
+                continue
+            finished = threading.Event()
+            future.then(lambda _future: finished.set())  # runs on success and on error
             while not finished.wait(CHECK_INTERVAL_S):
                 check_group(group)
         _waited[0] += time.perf_counter() - start

@@ -13,12 +13,12 @@ import copy
 import pytest
 import torch
 import torch.nn.functional as F
-import transformers
 from torch import nn
 
 import kt_ops
 from kt_ops.cpu_isa import ISAS, supported_cpu_isas
 from kt_ops.linear import KTLinear, bf16_gemms_are_slow, linear, use_kt_linear
+from test_hf_patching import rel_err, tiny_model
 
 f32, bf16, f64 = torch.float32, torch.bfloat16, torch.float64
 TOL = {f64: 1e-12, f32: 1e-5, bf16: 1.5e-2}
@@ -31,11 +31,6 @@ def isa_param(isa):
 
 def rand(*shape, dtype, seed):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=f64).to(dtype)
-
-
-def rel_err(a, b) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
 
 
 @pytest.mark.parametrize("isa", [isa_param(i) for i in ISAS])
@@ -102,12 +97,12 @@ def test_use_kt_linear_swaps_plain_linears_only():
         pass
 
     model = nn.Sequential(nn.Linear(8, 6), nn.ReLU(), Custom(6, 4), nn.Sequential(nn.Linear(4, 3, bias=False)))
-    keys = {k: v.clone() for k, v in model.state_dict().items()}
+    keys = model.state_dict().keys()
     reference = copy.deepcopy(model)
     assert use_kt_linear(model) == 2
     assert [type(m) for m in model.modules() if isinstance(m, nn.Linear)] == [KTLinear, Custom, KTLinear]
     assert all(isinstance(m, nn.Linear) for m in model.modules() if isinstance(m, KTLinear))
-    assert {k: v for k, v in model.state_dict().items()}.keys() == keys.keys()
+    assert model.state_dict().keys() == keys
     x = torch.randn(5, 8)
     assert torch.equal(model(x), reference(x))  # float32: F.linear itself
     model.to(bf16)
@@ -116,12 +111,7 @@ def test_use_kt_linear_swaps_plain_linears_only():
 
 
 def _tiny_qwen3_moe(dtype):
-    config = transformers.Qwen3MoeConfig(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2,
-                                         head_dim=8, intermediate_size=48, moe_intermediate_size=16,
-                                         num_hidden_layers=2, num_experts=8, num_experts_per_tok=2,
-                                         initializer_range=0.15, max_position_embeddings=64)
-    torch.manual_seed(0)
-    model = transformers.Qwen3MoeForCausalLM(config).to(dtype).eval()
+    model = tiny_model("qwen3_moe", dtype=dtype)
     model.set_experts_implementation("eager")  # grouped_mm takes no float64
     return model
 

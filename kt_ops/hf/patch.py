@@ -157,7 +157,7 @@ def patch_model(model: nn.Module, *, lora_rank: int = 0, lora_alpha: Optional[fl
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, new)
     register_kt_experts()
-    if kt_linear if kt_linear is not None else bf16_gemms_are_slow():
+    if bf16_gemms_are_slow() if kt_linear is None else kt_linear:
         use_kt_linear(model)
     prepare_ddp(model)  # DistributedDataParallel(model) leaves the owner-only expert tensors alone
     return model
